@@ -1,0 +1,1 @@
+//! Benchmarks live in this crate's `[[bench]]` targets; see `benches/README.md`.

@@ -1,0 +1,107 @@
+//! Hostnames and labels.
+
+use crate::ports::{NodeRef, ShardIndex};
+
+/// Label keys on every object the operator makes.
+pub mod labels {
+    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    pub const MANAGED_BY_VALUE: &str = "shardgate";
+    pub const INSTANCE: &str = "app.kubernetes.io/instance";
+    pub const CLUSTER: &str = "shardgate.io/cluster";
+    pub const SHARD_INDEX: &str = "shardgate.io/shard-index";
+    pub const NODE_INDEX: &str = "shardgate.io/node-index";
+}
+
+/// `<prefix>-<s>.<domain>`: a shard's name.
+pub fn shard_hostname(prefix: &str, shard: ShardIndex, domain: &str) -> String {
+    format!("{prefix}-{shard}.{domain}")
+}
+
+/// `<prefix>-<s>-<n>.<domain>`: a node's name (one TLS port, one SNI name per node).
+pub fn node_hostname(prefix: &str, id: NodeRef, domain: &str) -> String {
+    format!("{prefix}-{id}.{domain}")
+}
+
+/// `<prefix>.<domain>`: the bootstrap name that reaches any healthy node.
+pub fn bootstrap_hostname(prefix: &str, domain: &str) -> String {
+    format!("{prefix}.{domain}")
+}
+
+/// The hostnames of one cluster, for the matching in the other direction (an SNI name back
+/// to a node or shard).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hostnames {
+    pub prefix: String,
+    pub domain: String,
+}
+
+/// What a hostname names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostnameTarget {
+    Bootstrap,
+    Shard(ShardIndex),
+    Node(NodeRef),
+}
+
+impl Hostnames {
+    /// Parses `name` (case-insensitive, as DNS is) back into what it names, or `None` if it is
+    /// not one of this cluster's names.
+    pub fn target(&self, name: &str) -> Option<HostnameTarget> {
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+        let host = name.strip_suffix(&format!(".{}", self.domain.to_ascii_lowercase()))?;
+        let prefix = self.prefix.to_ascii_lowercase();
+        if host == prefix {
+            return Some(HostnameTarget::Bootstrap);
+        }
+        let rest = host.strip_prefix(&prefix)?.strip_prefix('-')?;
+        let mut parts = rest.split('-');
+        let shard = parse_index(parts.next()?)?;
+        match (parts.next(), parts.next()) {
+            (None, _) => Some(HostnameTarget::Shard(ShardIndex(shard))),
+            (Some(n), None) => Some(HostnameTarget::Node(NodeRef::new(shard, parse_index(n)?))),
+            _ => None,
+        }
+    }
+}
+
+/// A decimal index without sign or leading zeros, so that each name has one spelling.
+fn parse_index(s: &str) -> Option<u32> {
+    if s.is_empty() || (s.len() > 1 && s.starts_with('0')) || !s.bytes().all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    s.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(shard_hostname("vc", ShardIndex(2), "example.com"), "vc-2.example.com");
+        assert_eq!(node_hostname("vc", NodeRef::new(2, 1), "example.com"), "vc-2-1.example.com");
+        assert_eq!(bootstrap_hostname("vc", "example.com"), "vc.example.com");
+    }
+
+    #[test]
+    fn names_parse_back() {
+        let h = Hostnames {
+            prefix: "vc".into(),
+            domain: "example.com".into(),
+        };
+        assert_eq!(h.target("vc.example.com"), Some(HostnameTarget::Bootstrap));
+        assert_eq!(h.target("VC-3.Example.com."), Some(HostnameTarget::Shard(ShardIndex(3))));
+        assert_eq!(h.target("vc-3-1.example.com"), Some(HostnameTarget::Node(NodeRef::new(3, 1))));
+        for bad in ["vc-03.example.com", "vc-3-1-1.example.com", "vc-x.example.com", "vc-.example.com",
+            "vc-3.example.org", "other-3.example.com", "vc-3example.com", "example.com", ""] {
+            assert_eq!(h.target(bad), None, "{bad}");
+        }
+        for s in 0..5 {
+            for n in 0..3 {
+                let id = NodeRef::new(s, n);
+                assert_eq!(h.target(&node_hostname("vc", id, "example.com")), Some(HostnameTarget::Node(id)));
+            }
+        }
+    }
+}

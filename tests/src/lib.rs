@@ -1,0 +1,10 @@
+//! Harnesses for shardgate's tests, benchmarks and demo.
+//!
+//! - [`valkey`]: real Valkey 9 clusters on loopback, one address per node, as pods have.
+//! - [`tools`]: finding the external programs (valkey-server, redis-cli, ...) that
+//!   `scripts/setup` installs, with a clear error when one is missing.
+//! - [`addr`]: loopback addresses for nodes, unique across concurrently running tests.
+
+pub mod addr;
+pub mod tools;
+pub mod valkey;
