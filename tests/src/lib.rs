@@ -6,5 +6,7 @@
 //! - [`addr`]: loopback addresses for nodes, unique across concurrently running tests.
 
 pub mod addr;
+pub mod http;
+pub mod proxy_process;
 pub mod tools;
 pub mod valkey;

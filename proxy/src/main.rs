@@ -1,0 +1,189 @@
+//! `shardgate-proxy`: the binary. Parses the command line, sets up logging, runs the proxy
+//! until SIGTERM or SIGINT, then drains.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{ArgGroup, Parser, ValueEnum};
+use shardgate_proxy::route::Backend;
+use shardgate_proxy::{Proxy, ProxyConfig, SourceConfig};
+
+/// Fronts a Valkey (or Redis) cluster with one TCP port per node, so that clients outside a
+/// private network (Kubernetes, a VPC) reach every node through one address.
+///
+/// Each node gets a listener at basePort + flatIndex, where flatIndex = shard * portsPerShard
+/// + node. The route table comes from a YAML file (--routes), reloaded when it changes, or
+/// is discovered from a seed node with CLUSTER SHARDS (--seed), refreshed periodically.
+///
+/// For cluster-aware clients to stay on the proxy, each node must announce its listener:
+///   valkey-server ... --cluster-announce-client-ipv4 <proxy ip>
+///                     --cluster-announce-client-port <its listener port>   (Valkey 9)
+/// In that mode give the routes in a file: discovery would find the proxy's own address.
+///
+/// Examples:
+///   shardgate-proxy --routes routes.yaml
+///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000
+///
+/// Route file:
+///   basePort: 30000
+///   shards:
+///     - nodes: [10.0.0.1:6379, 10.0.0.2:6379]     # node 0 is port 30000, node 1 30001
+///     - nodes: [10.0.0.3:6379, valkey-1-1.valkey:6379]
+///
+/// Endpoints on --admin-addr: /metrics (Prometheus), /healthz, /readyz, /routes (JSON).
+#[derive(Parser, Debug)]
+#[command(version, about, long_about, verbatim_doc_comment)]
+#[command(group(ArgGroup::new("source").required(true).args(["routes", "seed"])))]
+struct Args {
+    /// YAML route file; reloaded when its content changes (a bad new version is logged and
+    /// the last good table kept).
+    #[arg(long, value_name = "FILE", env = "SHARDGATE_ROUTES")]
+    routes: Option<PathBuf>,
+
+    /// How often the route file is checked for changes.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration)]
+    routes_poll: Duration,
+
+    /// Seed node (host:port) to discover the cluster from; repeat for more.
+    #[arg(long, value_name = "HOST:PORT", requires = "base_port")]
+    seed: Vec<Backend>,
+
+    /// With --seed: the listener port of shard 0, node 0.
+    #[arg(long, value_name = "PORT")]
+    base_port: Option<u16>,
+
+    /// With --seed: ports reserved per shard (default: the largest shard's node count at
+    /// first discovery). Set it above the node count to leave room for more replicas.
+    #[arg(long, value_name = "N")]
+    ports_per_shard: Option<u32>,
+
+    /// With --seed: how often to ask the cluster for its topology.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    refresh: Duration,
+
+    /// Address the node listeners bind.
+    #[arg(long, value_name = "IP", default_value = "0.0.0.0")]
+    listen_ip: IpAddr,
+
+    /// Address of /metrics, /healthz, /readyz and /routes; "off" to serve none.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:9090", value_parser = parse_admin)]
+    admin_addr: AdminAddr,
+
+    /// Open client connections at most; more are closed at once and counted.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    max_connections: usize,
+
+    /// Close a connection after this long without a byte either way; 0 never.
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = humantime::parse_duration)]
+    idle_timeout: Duration,
+
+    /// Resolving and connecting to a node, in all.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
+
+    /// On SIGTERM: stop accepting, then let open connections go on for this long.
+    #[arg(long, value_name = "DURATION", default_value = "25s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+
+    /// Bytes buffered per direction per connection.
+    #[arg(long, value_name = "BYTES", default_value_t = 16 * 1024)]
+    buffer_size: usize,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct AdminAddr(Option<SocketAddr>);
+
+fn parse_admin(s: &str) -> Result<AdminAddr, String> {
+    if s == "off" {
+        return Ok(AdminAddr(None));
+    }
+    s.parse()
+        .map(|a| AdminAddr(Some(a)))
+        .map_err(|e| format!("{s:?}: {e} (expected ip:port or \"off\")"))
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn terminated() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let source = match (args.routes, args.base_port) {
+        (Some(path), _) => SourceConfig::File {
+            path,
+            poll: args.routes_poll,
+        },
+        (None, Some(base_port)) => SourceConfig::Seed {
+            seeds: args.seed,
+            base_port,
+            ports_per_shard: args.ports_per_shard,
+            refresh: args.refresh,
+        },
+        (None, None) => anyhow::bail!("--seed needs --base-port"),
+    };
+    let mut config = ProxyConfig::new(source);
+    config.listen_ip = args.listen_ip;
+    config.admin_addr = args.admin_addr.0;
+    config.max_connections = args.max_connections;
+    config.idle_timeout = (!args.idle_timeout.is_zero()).then_some(args.idle_timeout);
+    config.connect_timeout = args.connect_timeout;
+    config.drain_timeout = args.drain_timeout;
+    config.buffer_size = args.buffer_size;
+
+    let proxy = Proxy::start(config).await.context("shardgate-proxy cannot start")?;
+    if let Some(addr) = proxy.admin_addr() {
+        tracing::info!(%addr, "admin endpoints: /metrics /healthz /readyz /routes");
+    }
+    let signal = terminated().await?;
+    tracing::info!(signal, "shutting down");
+    proxy.shutdown().await;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("shardgate-proxy: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("shardgate-proxy: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

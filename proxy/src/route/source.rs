@@ -1,0 +1,135 @@
+//! Route sources and the publisher that validates and swaps their tables.
+
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::{Host, RouteTable, Routes};
+use crate::metrics::Metrics;
+
+/// A producer of route tables (a YAML file, a seed node, ...). It runs until `shutdown` and
+/// hands every table it builds to the publisher; errors are reported there too, and never
+/// replace the last good table.
+pub trait RouteSource: Send + 'static {
+    /// A short name for logs and metric labels.
+    fn name(&self) -> &'static str;
+
+    fn run(
+        self,
+        publisher: RoutePublisher,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = ()> + Send;
+}
+
+/// Why a table was refused by the publisher.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PublishError {
+    #[error(
+        "port {port} would route to {backend}, which is this proxy's own listener \
+         (do the nodes announce the proxy's address? then give the routes in a file)"
+    )]
+    Loop { port: u16, backend: String },
+    #[error("port {0} is the admin (metrics) port of this proxy")]
+    AdminPort(u16),
+}
+
+/// Validates tables against the proxy's own sockets, numbers them and swaps them in.
+#[derive(Clone)]
+pub struct RoutePublisher {
+    tx: Arc<watch::Sender<Arc<RouteTable>>>,
+    listen_ip: IpAddr,
+    admin: Option<std::net::SocketAddr>,
+    metrics: Arc<Metrics>,
+}
+
+impl RoutePublisher {
+    pub fn new(
+        tx: watch::Sender<Arc<RouteTable>>,
+        listen_ip: IpAddr,
+        admin: Option<std::net::SocketAddr>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        RoutePublisher {
+            tx: Arc::new(tx),
+            listen_ip,
+            admin,
+            metrics,
+        }
+    }
+
+    /// The table in force.
+    pub fn current(&self) -> Arc<RouteTable> {
+        self.tx.borrow().clone()
+    }
+
+    /// Swaps in `routes` if they differ from the table in force and pass validation.
+    /// Returns whether the table changed.
+    pub fn publish(&self, source: &'static str, routes: Routes) -> Result<bool, PublishError> {
+        self.validate(&routes)?;
+        let mut changed = false;
+        self.tx.send_if_modified(|cur| {
+            if cur.is_loaded() && cur.routes == routes {
+                return false;
+            }
+            let version = cur.version + 1;
+            *cur = Arc::new(RouteTable {
+                version,
+                source,
+                routes: routes.clone(),
+            });
+            changed = true;
+            true
+        });
+        if changed {
+            let t = self.current();
+            self.metrics.routes.version.set(t.version as i64);
+            self.metrics.routes.updates.inc();
+            tracing::info!(
+                source,
+                version = t.version,
+                routes = t.routes.len(),
+                "route table updated"
+            );
+        }
+        Ok(changed)
+    }
+
+    /// Logs and counts a source's failure; the table in force stays.
+    pub fn report_error(&self, source: &'static str, error: &dyn std::error::Error) {
+        self.metrics.routes.source_error(source);
+        let version = self.tx.borrow().version;
+        tracing::error!(source, keeping_version = version, "route source error: {error}");
+    }
+
+    /// Refuses routes that would make the proxy connect to itself.
+    fn validate(&self, routes: &Routes) -> Result<(), PublishError> {
+        let own_ip = |ip: IpAddr| {
+            ip == self.listen_ip
+                || ip.is_unspecified()
+                || (self.listen_ip.is_unspecified() && ip.is_loopback())
+        };
+        for (&port, route) in routes {
+            if let Some(admin) = self.admin {
+                if admin.port() == port
+                    && (admin.ip() == self.listen_ip
+                        || admin.ip().is_unspecified()
+                        || self.listen_ip.is_unspecified())
+                {
+                    return Err(PublishError::AdminPort(port));
+                }
+            }
+            if let Host::Ip(ip) = route.backend.host {
+                if own_ip(ip) && routes.contains_key(&route.backend.port) {
+                    return Err(PublishError::Loop {
+                        port,
+                        backend: route.backend.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
