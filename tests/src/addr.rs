@@ -59,8 +59,8 @@ pub fn bindable(ip: Ipv4Addr, port: u16) -> bool {
 /// # Panics
 /// If nothing can be bound on `ip` at all.
 pub fn free_port(ip: Ipv4Addr) -> u16 {
-    let listener = TcpListener::bind((ip, 0))
-        .unwrap_or_else(|e| panic!("cannot bind any port on {ip}: {e}"));
+    let listener =
+        TcpListener::bind((ip, 0)).unwrap_or_else(|e| panic!("cannot bind any port on {ip}: {e}"));
     listener
         .local_addr()
         .unwrap_or_else(|e| panic!("no local address for a listener on {ip}: {e}"))

@@ -8,5 +8,6 @@
 pub mod addr;
 pub mod http;
 pub mod proxy_process;
+pub mod routes;
 pub mod tools;
 pub mod valkey;

@@ -104,7 +104,10 @@ impl ValkeyCluster {
             ("bind-source-addr", ip.as_str()),
             ("port", &self.spec.port.to_string()),
             ("cluster-enabled", "yes"),
-            ("cluster-node-timeout", &self.spec.node_timeout_ms.to_string()),
+            (
+                "cluster-node-timeout",
+                &self.spec.node_timeout_ms.to_string(),
+            ),
             ("cluster-config-file", "nodes.conf"),
             ("dir", &dir.display().to_string()),
             // So that no acknowledged write is lost across a restart.
@@ -123,7 +126,12 @@ impl ValkeyCluster {
             ("repl-diskless-sync-delay", "0"),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()));
-        let per_node = self.spec.node_config.as_ref().map(|f| f(pos)).unwrap_or_default();
+        let per_node = self
+            .spec
+            .node_config
+            .as_ref()
+            .map(|f| f(pos))
+            .unwrap_or_default();
         harness
             .into_iter()
             .chain(self.spec.config.iter().cloned())
@@ -157,32 +165,36 @@ impl ValkeyCluster {
             ])?;
         }
         // REPLICATE needs the replica to know its primary.
-        self.wait_for("every node to know every other node", SETTLE_TIMEOUT, || {
-            let mut problems = Vec::new();
-            for node in &self.nodes {
-                match self.view(node.pos) {
-                    Ok(view) => {
-                        for other in &self.nodes {
-                            match view.iter().find(|l| l.id == other.node_id) {
-                                None => problems.push(format!(
-                                    "node {} does not know node {} yet",
-                                    node.pos, other.pos
-                                )),
-                                Some(line) if line.is_troubled() => problems.push(format!(
-                                    "node {} sees node {} as {}",
-                                    node.pos,
-                                    other.pos,
-                                    line.flags.join(",")
-                                )),
-                                Some(_) => {}
+        self.wait_for(
+            "every node to know every other node",
+            SETTLE_TIMEOUT,
+            || {
+                let mut problems = Vec::new();
+                for node in &self.nodes {
+                    match self.view(node.pos) {
+                        Ok(view) => {
+                            for other in &self.nodes {
+                                match view.iter().find(|l| l.id == other.node_id) {
+                                    None => problems.push(format!(
+                                        "node {} does not know node {} yet",
+                                        node.pos, other.pos
+                                    )),
+                                    Some(line) if line.is_troubled() => problems.push(format!(
+                                        "node {} sees node {} as {}",
+                                        node.pos,
+                                        other.pos,
+                                        line.flags.join(",")
+                                    )),
+                                    Some(_) => {}
+                                }
                             }
                         }
+                        Err(e) => problems.push(format!("{e:#}")),
                     }
-                    Err(e) => problems.push(format!("{e:#}")),
                 }
-            }
-            problems
-        })?;
+                problems
+            },
+        )?;
         for node in self.nodes.iter().filter(|n| n.pos.node.0 > 0) {
             let primary = self.node(NodeRef::new(node.pos.shard.0, 0));
             node.query::<()>(&["CLUSTER", "REPLICATE", &primary.node_id])?;
@@ -237,7 +249,11 @@ impl ValkeyCluster {
     pub fn primary_of(&self, shard: impl Into<ShardIndex>) -> Result<NodeRef> {
         let shard = shard.into();
         let mut best: Option<(u64, NodeRef)> = None;
-        for node in self.nodes.iter().filter(|n| n.pos.shard == shard && n.is_running()) {
+        for node in self
+            .nodes
+            .iter()
+            .filter(|n| n.pos.shard == shard && n.is_running())
+        {
             if node.role()? != "master" {
                 continue;
             }
@@ -287,7 +303,9 @@ impl ValkeyCluster {
     ///
     /// Nodes that are not running are ignored (others may see them as failed).
     pub fn wait_healthy(&self, timeout: Duration) -> Result<()> {
-        self.wait_for("the cluster to be healthy", timeout, || self.health_problems())
+        self.wait_for("the cluster to be healthy", timeout, || {
+            self.health_problems()
+        })
     }
 
     /// Polls `check` (a list of problems, empty when satisfied) until it is satisfied, or
@@ -358,7 +376,9 @@ impl ValkeyCluster {
                         }
                     }
                 }
-                _ => problems.push(format!("{name}: CLUSTER NODES has no myself line with its id")),
+                _ => problems.push(format!(
+                    "{name}: CLUSTER NODES has no myself line with its id"
+                )),
             }
             for line in &view {
                 if self.node_by_id(&line.id).is_none() {
@@ -404,7 +424,9 @@ impl ValkeyCluster {
         for (pos, _, facts) in &views[1..] {
             for (id, fact) in facts {
                 if let Some(theirs) = first_facts.get(id).filter(|f| *f != fact) {
-                    let about = self.node_by_id(id).map_or(id.clone(), |n| n.pos.to_string());
+                    let about = self
+                        .node_by_id(id)
+                        .map_or(id.clone(), |n| n.pos.to_string());
                     problems.push(format!(
                         "nodes {first_pos} and {pos} disagree about node {about}: {theirs:?} vs {fact:?}"
                     ));
@@ -471,7 +493,9 @@ impl ValkeyCluster {
         drop(state);
         bail!(
             "node {pos} did not exit after SHUTDOWN ({}), so it was killed; log tail:\n{}",
-            reply.err().map_or("no error".to_string(), |e| format!("{e:#}")),
+            reply
+                .err()
+                .map_or("no error".to_string(), |e| format!("{e:#}")),
             node.log_tail(20)
         )
     }
@@ -593,7 +617,10 @@ impl ValkeyCluster {
         let to = to.into();
         let from = self.slot_owner(slot)?;
         let dest = self.primary_of(to)?;
-        ensure!(from != dest, "slot {slot} is already on node {dest} (shard {to})");
+        ensure!(
+            from != dest,
+            "slot {slot} is already on node {dest} (shard {to})"
+        );
         let slot_s = slot.to_string();
         let (src, dst) = (self.node(from), self.node(dest));
         dst.query::<()>(&["CLUSTER", "SETSLOT", &slot_s, "IMPORTING", &src.node_id])?;
@@ -683,7 +710,10 @@ impl ValkeyCluster {
             }
         }
         self.wait_for(
-            &format!("every node to see slot {} on node {}", migration.slot, migration.to),
+            &format!(
+                "every node to see slot {} on node {}",
+                migration.slot, migration.to
+            ),
             SETTLE_TIMEOUT,
             || {
                 let mut problems = Vec::new();

@@ -41,7 +41,7 @@ use shardgate_crds::{NodeRef, ShardIndex};
 pub use cluster::{SlotMigration, ValkeyCluster};
 pub use node::{Node, LOG_FILE};
 pub use procs::{processes_mentioning, stray_processes, MARKER};
-pub use slot::{hash_tag_for_slot, key_slot, SLOTS};
+pub use slot::{hash_tag_for_slot, key_slot, slot_tags, SLOTS};
 pub use view::{parse_cluster_nodes, NodesLine};
 
 /// Extra settings for one node, computed from its position.

@@ -144,7 +144,7 @@ impl Node {
 }
 
 /// `field:value` lines, as in `INFO` and `CLUSTER INFO`.
-pub(crate) fn info_value(info: &str, field: &str) -> Option<String> {
+fn info_value(info: &str, field: &str) -> Option<String> {
     info.lines().find_map(|line| {
         let (k, v) = line.trim_end().split_once(':')?;
         (k == field).then(|| v.to_string())

@@ -32,6 +32,25 @@ pub fn hash_tag_for_slot(slot: u16) -> String {
         .expect("the search is unbounded")
 }
 
+/// A hash tag for every slot, indexed by slot: `tags[s]` is `{...}` with keys in slot `s`.
+/// One pass over decimal tags, so it is cheap where many slots are needed at once.
+pub fn slot_tags() -> Vec<String> {
+    let mut tags: Vec<Option<String>> = vec![None; usize::from(SLOTS)];
+    let mut missing = usize::from(SLOTS);
+    for n in 0u64.. {
+        let tag = n.to_string();
+        let slot = usize::from(key_slot(tag.as_bytes()));
+        if tags[slot].is_none() {
+            tags[slot] = Some(format!("{{{tag}}}"));
+            missing -= 1;
+            if missing == 0 {
+                break;
+            }
+        }
+    }
+    tags.into_iter().map(|t| t.unwrap_or_default()).collect()
+}
+
 /// CRC16-CCITT (XMODEM): polynomial 0x1021, initial value 0, no reflection.
 fn crc16(data: &[u8]) -> u16 {
     let mut crc: u16 = 0;
@@ -56,7 +75,7 @@ mod tests {
     fn known_values() {
         // The check value of CRC16/XMODEM, and the examples of the cluster spec.
         assert_eq!(crc16(b"123456789"), 0x31C3);
-        assert_eq!(key_slot(b"123456789"), 0x31C3 % 16384);
+        assert_eq!(key_slot(b"123456789"), 12739);
         assert_eq!(key_slot(b"foo"), 12182);
         assert_eq!(key_slot(b"bar"), 5061);
         assert_eq!(key_slot(b""), 0);
