@@ -11,4 +11,4 @@ pub mod names;
 pub mod ports;
 
 pub use names::{bootstrap_hostname, node_hostname, shard_hostname, HostnameTarget, Hostnames};
-pub use ports::{NodeRef, NodeIndex, PortError, PortLayout, ShardIndex};
+pub use ports::{NodeIndex, NodeRef, PortError, PortLayout, ShardIndex};

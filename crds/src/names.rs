@@ -79,8 +79,14 @@ mod tests {
 
     #[test]
     fn names() {
-        assert_eq!(shard_hostname("vc", ShardIndex(2), "example.com"), "vc-2.example.com");
-        assert_eq!(node_hostname("vc", NodeRef::new(2, 1), "example.com"), "vc-2-1.example.com");
+        assert_eq!(
+            shard_hostname("vc", ShardIndex(2), "example.com"),
+            "vc-2.example.com"
+        );
+        assert_eq!(
+            node_hostname("vc", NodeRef::new(2, 1), "example.com"),
+            "vc-2-1.example.com"
+        );
         assert_eq!(bootstrap_hostname("vc", "example.com"), "vc.example.com");
     }
 
@@ -91,16 +97,34 @@ mod tests {
             domain: "example.com".into(),
         };
         assert_eq!(h.target("vc.example.com"), Some(HostnameTarget::Bootstrap));
-        assert_eq!(h.target("VC-3.Example.com."), Some(HostnameTarget::Shard(ShardIndex(3))));
-        assert_eq!(h.target("vc-3-1.example.com"), Some(HostnameTarget::Node(NodeRef::new(3, 1))));
-        for bad in ["vc-03.example.com", "vc-3-1-1.example.com", "vc-x.example.com", "vc-.example.com",
-            "vc-3.example.org", "other-3.example.com", "vc-3example.com", "example.com", ""] {
+        assert_eq!(
+            h.target("VC-3.Example.com."),
+            Some(HostnameTarget::Shard(ShardIndex(3)))
+        );
+        assert_eq!(
+            h.target("vc-3-1.example.com"),
+            Some(HostnameTarget::Node(NodeRef::new(3, 1)))
+        );
+        for bad in [
+            "vc-03.example.com",
+            "vc-3-1-1.example.com",
+            "vc-x.example.com",
+            "vc-.example.com",
+            "vc-3.example.org",
+            "other-3.example.com",
+            "vc-3example.com",
+            "example.com",
+            "",
+        ] {
             assert_eq!(h.target(bad), None, "{bad}");
         }
         for s in 0..5 {
             for n in 0..3 {
                 let id = NodeRef::new(s, n);
-                assert_eq!(h.target(&node_hostname("vc", id, "example.com")), Some(HostnameTarget::Node(id)));
+                assert_eq!(
+                    h.target(&node_hostname("vc", id, "example.com")),
+                    Some(HostnameTarget::Node(id))
+                );
             }
         }
     }

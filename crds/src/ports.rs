@@ -79,8 +79,19 @@ index_newtype!(
 );
 
 /// A node's place in the cluster: (shard index, node index).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct NodeRef {
     pub shard: ShardIndex,
     pub node: NodeIndex,

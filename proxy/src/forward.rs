@@ -82,25 +82,44 @@ impl Forwarder {
             Ok(Closed::Drained) => "drain_timeout",
             Err(ForwardError::Dial { source, .. }) => {
                 m.backend_errors
-                    .get_or_create(&KindLabels { port, kind: source.kind() })
+                    .get_or_create(&KindLabels {
+                        port,
+                        kind: source.kind(),
+                    })
                     .inc();
                 "backend_unreachable"
             }
-            Err(ForwardError::Io { side: Side::Backend, .. }) => {
-                m.backend_errors.get_or_create(&KindLabels { port, kind: "io" }).inc();
+            Err(ForwardError::Io {
+                side: Side::Backend,
+                ..
+            }) => {
+                m.backend_errors
+                    .get_or_create(&KindLabels { port, kind: "io" })
+                    .inc();
                 "backend_error"
             }
-            Err(ForwardError::Io { side: Side::Client, .. }) => "client_error",
+            Err(ForwardError::Io {
+                side: Side::Client, ..
+            }) => "client_error",
         };
         m.closed.get_or_create(&ReasonLabels { reason }).inc();
         match outcome {
-            Ok(closed) => tracing::debug!(port, ?peer, backend = %route.backend, ?closed, "connection closed"),
+            Ok(closed) => {
+                tracing::debug!(port, ?peer, backend = %route.backend, ?closed, "connection closed")
+            }
             Err(e @ ForwardError::Dial { .. }) => tracing::warn!(port, ?peer, "{e}"),
-            Err(e) => tracing::debug!(port, ?peer, backend = %route.backend, "connection ended: {e}"),
+            Err(e) => {
+                tracing::debug!(port, ?peer, backend = %route.backend, "connection ended: {e}")
+            }
         }
     }
 
-    async fn forward(&self, mut client: TcpStream, port: u16, route: &Route) -> Result<Closed, ForwardError> {
+    async fn forward(
+        &self,
+        mut client: TcpStream,
+        port: u16,
+        route: &Route,
+    ) -> Result<Closed, ForwardError> {
         let mut backend = self
             .resolver
             .dial(&route.backend, self.connect_timeout)
@@ -114,15 +133,43 @@ impl Forwarder {
         let _ = backend.set_nodelay(true);
 
         let m = &self.metrics.connections;
-        let up = m.bytes.get_or_create(&BytesLabels { port, direction: "to_backend" }).clone();
-        let down = m.bytes.get_or_create(&BytesLabels { port, direction: "to_client" }).clone();
+        let up = m
+            .bytes
+            .get_or_create(&BytesLabels {
+                port,
+                direction: "to_backend",
+            })
+            .clone();
+        let down = m
+            .bytes
+            .get_or_create(&BytesLabels {
+                port,
+                direction: "to_client",
+            })
+            .clone();
         let clock = Activity::new();
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
         let copy = async {
             tokio::try_join!(
-                pump(cr, bw, self.buffer_size, &up, &clock, Side::Client, Side::Backend),
-                pump(br, cw, self.buffer_size, &down, &clock, Side::Backend, Side::Client),
+                pump(
+                    cr,
+                    bw,
+                    self.buffer_size,
+                    &up,
+                    &clock,
+                    Side::Client,
+                    Side::Backend
+                ),
+                pump(
+                    br,
+                    cw,
+                    self.buffer_size,
+                    &down,
+                    &clock,
+                    Side::Backend,
+                    Side::Client
+                ),
             )
         };
         tokio::select! {
@@ -152,7 +199,10 @@ where
         let n = from
             .read(&mut buf)
             .await
-            .map_err(|source| ForwardError::Io { side: from_side, source })?;
+            .map_err(|source| ForwardError::Io {
+                side: from_side,
+                source,
+            })?;
         if n == 0 {
             // The peer may already be gone; that is not this connection's error.
             let _ = to.shutdown().await;
@@ -160,7 +210,10 @@ where
         }
         to.write_all(&buf[..n])
             .await
-            .map_err(|source| ForwardError::Io { side: to_side, source })?;
+            .map_err(|source| ForwardError::Io {
+                side: to_side,
+                source,
+            })?;
         bytes.inc_by(n as u64);
         clock.touch();
     }

@@ -84,7 +84,12 @@ impl Listeners {
         self.metrics.routes.listeners.set(0);
     }
 
-    async fn accept_loop(self: Arc<Self>, listener: TcpListener, port: u16, stop: CancellationToken) {
+    async fn accept_loop(
+        self: Arc<Self>,
+        listener: TcpListener,
+        port: u16,
+        stop: CancellationToken,
+    ) {
         let mut backoff = Duration::from_millis(5);
         loop {
             let accepted = tokio::select! {
@@ -104,7 +109,11 @@ impl Listeners {
             };
             backoff = Duration::from_millis(5);
             let rejected = |reason| {
-                self.metrics.connections.rejected.get_or_create(&ReasonLabels { reason }).inc();
+                self.metrics
+                    .connections
+                    .rejected
+                    .get_or_create(&ReasonLabels { reason })
+                    .inc();
             };
             let Ok(permit) = self.limit.clone().try_acquire_owned() else {
                 rejected("connection_limit");

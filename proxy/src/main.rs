@@ -14,8 +14,8 @@ use shardgate_proxy::{Proxy, ProxyConfig, SourceConfig};
 /// Fronts a Valkey (or Redis) cluster with one TCP port per node, so that clients outside a
 /// private network (Kubernetes, a VPC) reach every node through one address.
 ///
-/// Each node gets a listener at basePort + flatIndex, where flatIndex = shard * portsPerShard
-/// + node. The route table comes from a YAML file (--routes), reloaded when it changes, or
+/// Each node gets a listener at basePort + flatIndex, where
+/// flatIndex = shard * portsPerShard + node. The route table comes from a YAML file (--routes), reloaded when it changes, or
 /// is discovered from a seed node with CLUSTER SHARDS (--seed), refreshed periodically.
 ///
 /// For cluster-aware clients to stay on the proxy, each node must announce its listener:
@@ -118,7 +118,9 @@ fn parse_admin(s: &str) -> Result<AdminAddr, String> {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -158,7 +160,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     config.drain_timeout = args.drain_timeout;
     config.buffer_size = args.buffer_size;
 
-    let proxy = Proxy::start(config).await.context("shardgate-proxy cannot start")?;
+    let proxy = Proxy::start(config)
+        .await
+        .context("shardgate-proxy cannot start")?;
     if let Some(addr) = proxy.admin_addr() {
         tracing::info!(%addr, "admin endpoints: /metrics /healthz /readyz /routes");
     }

@@ -60,7 +60,9 @@ pub struct RouteMetrics {
 
 impl RouteMetrics {
     pub fn source_error(&self, source: &'static str) {
-        self.source_errors.get_or_create(&SourceLabels { source }).inc();
+        self.source_errors
+            .get_or_create(&SourceLabels { source })
+            .inc();
     }
 }
 
@@ -76,18 +78,58 @@ impl Metrics {
     pub fn register(self, registry: &mut Registry) -> Self {
         let r = registry.sub_registry_with_prefix("shardgate_proxy");
         let c = &self.connections;
-        r.register("connections_accepted", "Client connections accepted, per listener port", c.accepted.clone());
-        r.register("connections_active", "Client connections open now, per listener port", c.active.clone());
-        r.register("connections_rejected", "Client connections refused before any backend was dialled", c.rejected.clone());
-        r.register("connections_closed", "Client connections closed, by reason", c.closed.clone());
-        r.register("bytes", "Bytes forwarded, per listener port and direction", c.bytes.clone());
-        r.register("backend_errors", "Failures to reach or talk to a backend, per port and kind", c.backend_errors.clone());
+        r.register(
+            "connections_accepted",
+            "Client connections accepted, per listener port",
+            c.accepted.clone(),
+        );
+        r.register(
+            "connections_active",
+            "Client connections open now, per listener port",
+            c.active.clone(),
+        );
+        r.register(
+            "connections_rejected",
+            "Client connections refused before any backend was dialled",
+            c.rejected.clone(),
+        );
+        r.register(
+            "connections_closed",
+            "Client connections closed, by reason",
+            c.closed.clone(),
+        );
+        r.register(
+            "bytes",
+            "Bytes forwarded, per listener port and direction",
+            c.bytes.clone(),
+        );
+        r.register(
+            "backend_errors",
+            "Failures to reach or talk to a backend, per port and kind",
+            c.backend_errors.clone(),
+        );
         let t = &self.routes;
-        r.register("route_table_version", "Version of the route table in force (0: none loaded yet)", t.version.clone());
-        r.register("route_table_updates", "Route tables swapped in", t.updates.clone());
-        r.register("route_source_errors", "Route source failures (the table in force was kept)", t.source_errors.clone());
+        r.register(
+            "route_table_version",
+            "Version of the route table in force (0: none loaded yet)",
+            t.version.clone(),
+        );
+        r.register(
+            "route_table_updates",
+            "Route tables swapped in",
+            t.updates.clone(),
+        );
+        r.register(
+            "route_source_errors",
+            "Route source failures (the table in force was kept)",
+            t.source_errors.clone(),
+        );
         r.register("listeners", "Listener ports bound now", t.listeners.clone());
-        r.register("listener_errors", "Listener ports that could not be bound or failed to accept", t.listener_errors.clone());
+        r.register(
+            "listener_errors",
+            "Listener ports that could not be bound or failed to accept",
+            t.listener_errors.clone(),
+        );
         self
     }
 }

@@ -60,7 +60,8 @@ impl Proxy {
         let mut registry = Registry::default();
         let metrics = Arc::new(Metrics::default().register(&mut registry));
         let (tx, routes) = watch::channel(Arc::new(RouteTable::default()));
-        let publisher = RoutePublisher::new(tx, config.listen_ip, config.admin_addr, metrics.clone());
+        let publisher =
+            RoutePublisher::new(tx, config.listen_ip, config.admin_addr, metrics.clone());
         let resolver = Resolver::system();
         let stop = CancellationToken::new();
         let hard_stop = CancellationToken::new();
@@ -132,7 +133,11 @@ impl Proxy {
                 ready: ready.clone(),
             };
             // The admin server outlives the drain, so /metrics and /readyz answer during it.
-            tasks.push(tokio::spawn(admin::serve(listener, state, hard_stop.clone())));
+            tasks.push(tokio::spawn(admin::serve(
+                listener,
+                state,
+                hard_stop.clone(),
+            )));
         }
 
         Ok(ProxyHandle {

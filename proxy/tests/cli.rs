@@ -103,10 +103,21 @@ fn a_bad_reload_keeps_the_last_good_table() {
     // The backends need not run: this test is about the table, not traffic.
     let good = format!("basePort: {base}\nshards:\n- nodes: [127.0.0.1:1]\n");
     let path = tmp_file("reload", &good);
-    let mut proxy = start(&["--routes".into(), path.display().to_string(), "--routes-poll".into(), "50ms".into()], admin);
+    let mut proxy = start(
+        &[
+            "--routes".into(),
+            path.display().to_string(),
+            "--routes-poll".into(),
+            "50ms".into(),
+        ],
+        admin,
+    );
     proxy.wait_ready(Duration::from_secs(10)).unwrap();
     assert_eq!(routes_version(admin), 1);
-    assert!(TcpStream::connect((LO, base)).is_ok(), "listener {base} not bound");
+    assert!(
+        TcpStream::connect((LO, base)).is_ok(),
+        "listener {base} not bound"
+    );
 
     for (i, bad) in [
         "basePort: [\n".to_string(),
@@ -146,7 +157,10 @@ fn a_bad_reload_keeps_the_last_good_table() {
     assert!(TcpStream::connect((LO, base + 2)).is_ok());
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while TcpStream::connect((LO, base)).is_ok() {
-        assert!(std::time::Instant::now() < deadline, "old listener {base} still open");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "old listener {base} still open"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -157,16 +171,41 @@ fn an_unreachable_seed_is_reported_and_the_proxy_waits() {
     let admin = SocketAddr::from((LO, free_port(LO)));
     let base = free_port_range(LO, 4);
     let mut proxy = start(
-        &["--seed".into(), format!("127.0.0.1:{closed}"), "--base-port".into(), base.to_string(), "--connect-timeout".into(), "500ms".into()],
+        &[
+            "--seed".into(),
+            format!("127.0.0.1:{closed}"),
+            "--base-port".into(),
+            base.to_string(),
+            "--connect-timeout".into(),
+            "500ms".into(),
+        ],
         admin,
     );
-    proxy.wait_log("no seed answered CLUSTER SHARDS", Duration::from_secs(10)).unwrap();
-    assert!(proxy.log().contains(&format!("127.0.0.1:{closed}")), "{}", proxy.log());
+    proxy
+        .wait_log("no seed answered CLUSTER SHARDS", Duration::from_secs(10))
+        .unwrap();
+    assert!(
+        proxy.log().contains(&format!("127.0.0.1:{closed}")),
+        "{}",
+        proxy.log()
+    );
     assert!(proxy.is_running());
     let (status, body) = get(admin, "/readyz").unwrap();
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("no route table"), "{body}");
     let (_, m) = get(admin, "/metrics").unwrap();
-    assert!(metric(&m, "shardgate_proxy_route_source_errors_total{source=\"seed\"}").unwrap_or(0.0) >= 1.0, "{m}");
-    assert_eq!(metric(&m, "shardgate_proxy_route_table_version"), Some(0.0), "{m}");
+    assert!(
+        metric(
+            &m,
+            "shardgate_proxy_route_source_errors_total{source=\"seed\"}"
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "shardgate_proxy_route_table_version"),
+        Some(0.0),
+        "{m}"
+    );
 }

@@ -21,7 +21,10 @@ pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .with_context(|| format!("no status line in {raw:?}"))?;
-    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     Ok((status, body))
 }
 

@@ -62,7 +62,10 @@ impl ProxyProcess {
         let out = File::create(&log)?;
         let child = Command::new(bin)
             .args(args)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
@@ -133,7 +136,10 @@ impl ProxyProcess {
                 return Ok(status);
             }
             if Instant::now() > deadline {
-                bail!("proxy still running after {timeout:?}; log:\n{}", self.log());
+                bail!(
+                    "proxy still running after {timeout:?}; log:\n{}",
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -1,8 +1,8 @@
 //! The proxy's view of a harness cluster: the route file and the announce settings that make
 //! nodes hand out the proxy's per-node ports (the announce mode of the design).
 
-use std::net::Ipv4Addr;
 use shardgate_crds::{NodeRef, PortLayout};
+use std::net::Ipv4Addr;
 
 use crate::valkey::ValkeyCluster;
 

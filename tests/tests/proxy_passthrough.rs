@@ -17,7 +17,9 @@ use shardgate_tests::addr::free_port_range;
 use shardgate_tests::http::{get, metric};
 use shardgate_tests::routes::{announce_proxy, routes_yaml};
 use shardgate_tests::tools::redis_cli;
-use shardgate_tests::valkey::{hash_tag_for_slot, key_slot, slot_tags, ClusterSpec, Restart, ValkeyCluster};
+use shardgate_tests::valkey::{
+    hash_tag_for_slot, key_slot, slot_tags, ClusterSpec, Restart, ValkeyCluster,
+};
 use tokio::task::block_in_place;
 
 const PROXY_IP: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -35,7 +37,8 @@ impl Fixture {
     async fn start(shards: u32, replicas: u32) -> Fixture {
         let base = free_port_range(PROXY_IP, (shards * (replicas + 1)) as u16);
         let layout = PortLayout::new(u32::from(base), shards, replicas, None).unwrap();
-        let spec = ClusterSpec::new(shards, replicas).with_node_config(announce_proxy(PROXY_IP, layout));
+        let spec =
+            ClusterSpec::new(shards, replicas).with_node_config(announce_proxy(PROXY_IP, layout));
         let cluster = Arc::new(block_in_place(|| ValkeyCluster::start(spec)).unwrap());
         let routes = cluster.root_dir().join("routes.yaml");
         std::fs::write(&routes, routes_yaml(base, &cluster)).unwrap();
@@ -46,9 +49,18 @@ impl Fixture {
         config.listen_ip = PROXY_IP.into();
         config.admin_addr = Some(SocketAddr::from((PROXY_IP, 0)));
         let proxy = Proxy::start(config).await.unwrap();
-        assert!(proxy.wait_ready(Duration::from_secs(10)).await, "proxy not ready");
+        assert!(
+            proxy.wait_ready(Duration::from_secs(10)).await,
+            "proxy not ready"
+        );
         let admin = proxy.admin_addr().unwrap();
-        Fixture { cluster, proxy, layout, routes, admin }
+        Fixture {
+            cluster,
+            proxy,
+            layout,
+            routes,
+            admin,
+        }
     }
 
     fn port(&self, node: NodeRef) -> u16 {
@@ -60,14 +72,24 @@ impl Fixture {
     }
 
     fn accepted(&self, port: u16) -> f64 {
-        metric(&self.metrics(), &format!("shardgate_proxy_connections_accepted_total{{port=\"{port}\"}}"))
-            .unwrap_or(0.0)
+        metric(
+            &self.metrics(),
+            &format!("shardgate_proxy_connections_accepted_total{{port=\"{port}\"}}"),
+        )
+        .unwrap_or(0.0)
     }
 }
 
 fn redis_cli_run(args: &[&str]) -> String {
-    let out = Command::new(redis_cli().unwrap()).args(args).output().unwrap();
-    assert!(out.status.success(), "redis-cli {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(redis_cli().unwrap())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "redis-cli {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
@@ -84,11 +106,33 @@ async fn redis_cli_follows_a_cross_shard_moved_back_through_the_proxy() {
     assert_eq!(moved, format!("MOVED {slot} 127.0.0.1:{owner_port}"));
 
     let before = f.accepted(owner_port);
-    assert_eq!(redis_cli_run(&["-c", "-h", "127.0.0.1", "-p", &entry, "SET", &key, "through-the-proxy"]), "OK");
-    assert_eq!(redis_cli_run(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]), "through-the-proxy");
-    assert!(f.accepted(owner_port) >= before + 2.0, "the redirect did not come back through the proxy");
+    assert_eq!(
+        redis_cli_run(&[
+            "-c",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &entry,
+            "SET",
+            &key,
+            "through-the-proxy"
+        ]),
+        "OK"
+    );
+    assert_eq!(
+        redis_cli_run(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]),
+        "through-the-proxy"
+    );
+    assert!(
+        f.accepted(owner_port) >= before + 2.0,
+        "the redirect did not come back through the proxy"
+    );
     // And the value really is on shard 2's primary.
-    let value: String = f.cluster.node(NodeRef::new(2, 0)).query(&["GET", &key]).unwrap();
+    let value: String = f
+        .cluster
+        .node(NodeRef::new(2, 0))
+        .query(&["GET", &key])
+        .unwrap();
     assert_eq!(value, "through-the-proxy");
     f.proxy.shutdown().await;
 }
@@ -119,14 +163,23 @@ async fn a_rust_cluster_client_does_10000_set_get_over_all_slots_through_the_pro
     let conn = cluster_client(f.port(NodeRef::new(1, 1))).await;
 
     // The client sees only the proxy's addresses.
-    let slots: redis::Value = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn.clone()).await.unwrap();
+    let slots: redis::Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
     let text = format!("{slots:?}");
     for node in f.cluster.nodes() {
-        assert!(!text.contains(&node.ip().to_string()), "internal address {} handed out: {text}", node.ip());
+        assert!(
+            !text.contains(&node.ip().to_string()),
+            "internal address {} handed out: {text}",
+            node.ip()
+        );
     }
 
     let keys = spread_keys(10_000);
-    let slots_hit: std::collections::BTreeSet<u16> = keys.iter().map(|k| key_slot(k.as_bytes())).collect();
+    let slots_hit: std::collections::BTreeSet<u16> =
+        keys.iter().map(|k| key_slot(k.as_bytes())).collect();
     assert_eq!(slots_hit.len(), 10_000);
     let mut tasks = vec![];
     for chunk in keys.chunks(500) {
@@ -157,8 +210,18 @@ async fn a_rust_cluster_client_does_10000_set_get_over_all_slots_through_the_pro
         assert!(f.accepted(port) >= 1.0, "no connection through port {port}");
     }
     let m = f.metrics();
-    let sent = metric(&m, &format!("shardgate_proxy_bytes_total{{port=\"{}\",direction=\"to_backend\"}}", f.port(NodeRef::new(2, 0)))).unwrap_or(0.0);
-    assert!(sent > 10_000.0, "shard 2 got only {sent} bytes through the proxy");
+    let sent = metric(
+        &m,
+        &format!(
+            "shardgate_proxy_bytes_total{{port=\"{}\",direction=\"to_backend\"}}",
+            f.port(NodeRef::new(2, 0))
+        ),
+    )
+    .unwrap_or(0.0);
+    assert!(
+        sent > 10_000.0,
+        "shard 2 got only {sent} bytes through the proxy"
+    );
     f.proxy.shutdown().await;
 }
 
@@ -190,12 +253,21 @@ async fn traffic(
 }
 
 /// Waits until `n` consecutive round trips through the client succeed.
-async fn recovers(conn: &mut redis::cluster_async::ClusterConnection, within: Duration) -> Duration {
+async fn recovers(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    within: Duration,
+) -> Duration {
     let start = Instant::now();
     let mut ok = 0;
-    let keys: Vec<String> = spread_keys(64).into_iter().map(|k| format!("{k}:probe")).collect();
+    let keys: Vec<String> = spread_keys(64)
+        .into_iter()
+        .map(|k| format!("{k}:probe"))
+        .collect();
     while ok < keys.len() {
-        assert!(start.elapsed() < within, "client did not recover within {within:?}");
+        assert!(
+            start.elapsed() < within,
+            "client did not recover within {within:?}"
+        );
         let k = &keys[ok];
         match conn.set::<_, _, ()>(k, "after").await {
             Ok(()) => ok += 1,
@@ -240,12 +312,24 @@ async fn a_node_restarted_during_traffic_the_client_recovers_without_restarting_
     let base = f.layout.base_port();
     std::fs::write(&f.routes, routes_yaml(base, &f.cluster)).unwrap();
     let mut rx = f.proxy.routes();
-    tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|t| t.version > version))
-        .await
-        .expect("route file not reloaded")
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        rx.wait_for(|t| t.version > version),
+    )
+    .await
+    .expect("route file not reloaded")
+    .unwrap();
     let new_ip = f.cluster.node(moved).addr();
-    assert_eq!(f.proxy.routes().borrow().route(f.port(moved)).unwrap().backend.socket_addr(), Some(new_ip));
+    assert_eq!(
+        f.proxy
+            .routes()
+            .borrow()
+            .route(f.port(moved))
+            .unwrap()
+            .backend
+            .socket_addr(),
+        Some(new_ip)
+    );
     recovers(&mut probe, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -256,12 +340,18 @@ async fn a_node_restarted_during_traffic_the_client_recovers_without_restarting_
     let mut lost = vec![];
     for (k, v) in &acked {
         let got: Option<String> = probe.get(k).await.unwrap();
-        let got_round = got.as_deref().and_then(|g| g.parse::<u64>().ok()).unwrap_or(0);
+        let got_round = got
+            .as_deref()
+            .and_then(|g| g.parse::<u64>().ok())
+            .unwrap_or(0);
         if got_round < v.parse::<u64>().unwrap() {
             lost.push((k.clone(), v.clone(), got));
         }
     }
     assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
-    eprintln!("errors seen by the client during the faults: {}", errors.load(Ordering::Relaxed));
+    eprintln!(
+        "errors seen by the client during the faults: {}",
+        errors.load(Ordering::Relaxed)
+    );
     f.proxy.shutdown().await;
 }

@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::net::Ipv4Addr;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use redis::Value;
 use shardgate_crds::NodeRef;
@@ -465,4 +466,41 @@ fn dropping_the_cluster_leaves_no_process_and_no_directory() {
     }
     assert!(!root.exists(), "{} is left", root.display());
     assert_eq!(stray_processes(), Vec::<u32>::new());
+}
+
+#[test]
+fn a_node_that_fails_to_start_is_reported_with_its_log() {
+    let err = ValkeyCluster::start(ClusterSpec::new(1, 0).with_config("no-such-directive", "1"))
+        .unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(msg.contains("node 0-0"), "{msg}");
+    assert!(
+        msg.contains("no-such-directive"),
+        "the log tail is missing: {msg}"
+    );
+}
+
+#[test]
+fn a_node_that_dies_on_its_own_is_reported_at_once() {
+    let cluster = ValkeyCluster::start(ClusterSpec::new(1, 0)).unwrap();
+    let node = &cluster.nodes()[0];
+    // Not through the harness: as if the process crashed.
+    let _ = node.query::<()>(&["SHUTDOWN", "NOSAVE"]);
+    let start = Instant::now();
+    let err = cluster.wait_healthy(Duration::from_secs(30)).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("node 0-0") && msg.contains("exited on its own"),
+        "{msg}"
+    );
+    assert!(node.unexpected_exit().is_some());
+    assert!(!node.is_running());
+
+    cluster.restart(node.pos, Restart::SameAddress).unwrap();
+    assert_ok_everywhere(&cluster);
 }

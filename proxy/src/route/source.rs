@@ -101,7 +101,11 @@ impl RoutePublisher {
     pub fn report_error(&self, source: &'static str, error: &dyn std::error::Error) {
         self.metrics.routes.source_error(source);
         let version = self.tx.borrow().version;
-        tracing::error!(source, keeping_version = version, "route source error: {error}");
+        tracing::error!(
+            source,
+            keeping_version = version,
+            "route source error: {error}"
+        );
     }
 
     /// Refuses routes that would make the proxy connect to itself.

@@ -309,7 +309,7 @@ impl ValkeyCluster {
     }
 
     /// Polls `check` (a list of problems, empty when satisfied) until it is satisfied, or
-    /// fails with the last problems.
+    /// fails with the last problems. Fails at once if a node died on its own.
     fn wait_for(
         &self,
         what: &str,
@@ -318,6 +318,17 @@ impl ValkeyCluster {
     ) -> Result<()> {
         let start = Instant::now();
         loop {
+            for node in &self.nodes {
+                if let Some(status) = node.unexpected_exit() {
+                    bail!(
+                        "node {} ({}) exited on its own ({status}) while waiting for {what}; \
+                         log tail:\n{}",
+                        node.pos,
+                        node.addr(),
+                        node.log_tail(30)
+                    );
+                }
+            }
             let problems = check();
             if problems.is_empty() {
                 return Ok(());

@@ -12,7 +12,8 @@
 //!
 //! Dropping the cluster kills its processes and removes its directories, also when a test
 //! panics; processes left behind by a test process that was killed are reaped by the next
-//! cluster start (see [`stray_processes`]).
+//! cluster start (see [`stray_processes`]). Set `SHARDGATE_KEEP_VALKEY_DIRS=1` to keep the
+//! directories (logs, `nodes.conf`, AOF) for a look after the test.
 //!
 //! ```no_run
 //! use shardgate_tests::valkey::{key_slot, ClusterSpec, ValkeyCluster};
@@ -154,5 +155,11 @@ mod tests {
         assert_eq!(ClusterSpec::new(1, 0).initial_slots(0), 0..=16383);
         let refs: Vec<_> = spec.node_refs().map(|r| r.to_string()).collect();
         assert_eq!(refs, ["0-0", "0-1", "1-0", "1-1", "2-0", "2-1"]);
+    }
+
+    #[test]
+    fn a_cluster_can_be_shared_with_a_fault_injecting_thread() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<ValkeyCluster>();
     }
 }

@@ -84,6 +84,13 @@ impl Node {
         }
     }
 
+    /// How the process ended, if it exited without the harness killing or stopping it (a
+    /// crash, or a `SHUTDOWN` sent by a test).
+    pub fn unexpected_exit(&self) -> Option<std::process::ExitStatus> {
+        let mut state = self.lock();
+        state.child.as_mut()?.try_wait().ok().flatten()
+    }
+
     /// The process id, while the node runs.
     pub fn pid(&self) -> Option<u32> {
         let mut state = self.lock();

@@ -92,7 +92,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
         source,
     })?;
     if file.shards.is_empty() {
-        return Err(field("shards".into(), "at least one shard is required".into()));
+        return Err(field(
+            "shards".into(),
+            "at least one shard is required".into(),
+        ));
     }
     let widest = file.shards.iter().map(|s| s.nodes.len()).max().unwrap_or(0);
     if widest == 0 {
@@ -131,11 +134,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
                 NodeEntry::Short(a) => (a, None, None),
                 NodeEntry::Long(l) => (&l.address, l.id.clone(), l.port),
             };
-            let backend: Backend = address
-                .parse()
-                .map_err(|e: crate::route::backend::BackendError| {
-                    field(format!("{at}.address"), e.to_string())
-                })?;
+            let backend: Backend =
+                address
+                    .parse()
+                    .map_err(|e: crate::route::backend::BackendError| {
+                        field(format!("{at}.address"), e.to_string())
+                    })?;
             if let Some(id) = &id {
                 if id.len() != 40 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
                     return Err(field(
@@ -267,14 +271,20 @@ mod tests {
     #[test]
     fn ports_per_shard_leaves_gaps() {
         let routes = p("basePort: 30000\nportsPerShard: 3\nshards:\n- nodes: [10.0.0.1:6379]\n- nodes: [10.0.0.3:6379]\n").unwrap();
-        assert_eq!(routes.keys().copied().collect::<Vec<_>>(), vec![30000, 30003]);
+        assert_eq!(
+            routes.keys().copied().collect::<Vec<_>>(),
+            vec![30000, 30003]
+        );
     }
 
     #[test]
     fn long_form_with_id_and_port() {
         let routes = p("basePort: 30000\nshards:\n- nodes:\n  - address: 10.0.0.1:6379\n    id: 9BE423741f0a3b818f633a9c16a1cf9ef42922d0\n    port: 31000\n").unwrap();
         let r = &routes[&31000];
-        assert_eq!(r.node_id.as_deref(), Some("9be423741f0a3b818f633a9c16a1cf9ef42922d0"));
+        assert_eq!(
+            r.node_id.as_deref(),
+            Some("9be423741f0a3b818f633a9c16a1cf9ef42922d0")
+        );
     }
 
     #[test]

@@ -62,9 +62,13 @@ pub struct DiscoveredShard {
 impl DiscoveredShard {
     /// A stable key: the shard id, or (before Valkey 7.2) its lowest node id.
     fn key(&self) -> String {
-        self.id
-            .clone()
-            .unwrap_or_else(|| self.nodes.iter().map(|n| n.id.clone()).min().unwrap_or_default())
+        self.id.clone().unwrap_or_else(|| {
+            self.nodes
+                .iter()
+                .map(|n| n.id.clone())
+                .min()
+                .unwrap_or_default()
+        })
     }
 }
 
@@ -134,7 +138,9 @@ fn int(f: &OwnedFrame) -> Option<i64> {
 /// The key/value pairs of a RESP2 flat map.
 fn pairs(f: &OwnedFrame) -> Result<Vec<(String, &OwnedFrame)>, SeedError> {
     let OwnedFrame::Array(items) = f else {
-        return Err(SeedError::Reply("expected an array of key/value pairs".into()));
+        return Err(SeedError::Reply(
+            "expected an array of key/value pairs".into(),
+        ));
     };
     if items.len() % 2 != 0 {
         return Err(SeedError::Reply("odd number of elements in a map".into()));
@@ -155,7 +161,11 @@ pub fn parse_shards(frame: OwnedFrame) -> Result<Vec<DiscoveredShard>, SeedError
         OwnedFrame::Error(e) => return Err(SeedError::Reply(format!("error reply: {e}"))),
         _ => return Err(SeedError::Reply("expected an array of shards".into())),
     };
-    let port = |f: &OwnedFrame| int(f).and_then(|p| u16::try_from(p).ok()).filter(|p| *p > 0);
+    let port = |f: &OwnedFrame| {
+        int(f)
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p > 0)
+    };
     let mut out = Vec::with_capacity(shards.len());
     for shard in &shards {
         let mut s = DiscoveredShard {
@@ -232,14 +242,24 @@ impl Assignment {
     ) -> (Vec<(NodeRef, &'a DiscoveredNode)>, Vec<String>) {
         let stride = *self.stride.get_or_insert_with(|| {
             ports_per_shard
-                .unwrap_or_else(|| shards.iter().map(|s| s.nodes.len() as u32).max().unwrap_or(1))
+                .unwrap_or_else(|| {
+                    shards
+                        .iter()
+                        .map(|s| s.nodes.len() as u32)
+                        .max()
+                        .unwrap_or(1)
+                })
                 .max(1)
         });
         // First-time order: by lowest slot, slotless shards last.
         let mut order: Vec<&DiscoveredShard> = shards.iter().collect();
         order.sort_by_key(|s| {
             (
-                s.slots.iter().map(|r| r.0).min().map_or(u32::MAX, u32::from),
+                s.slots
+                    .iter()
+                    .map(|r| r.0)
+                    .min()
+                    .map_or(u32::MAX, u32::from),
                 s.key(),
             )
         });
@@ -353,8 +373,12 @@ impl SeedSource {
         let (placed, mut skipped) = self.assignment.assign(self.ports_per_shard, &shards);
         let stride = self.assignment.stride().unwrap_or(1);
         let shard_count = placed.iter().map(|(r, _)| r.shard.0 + 1).max().unwrap_or(1);
-        let layout =
-            PortLayout::new(u32::from(self.base_port), shard_count, stride - 1, Some(stride))?;
+        let layout = PortLayout::new(
+            u32::from(self.base_port),
+            shard_count,
+            stride - 1,
+            Some(stride),
+        )?;
         let mut routes = BTreeMap::new();
         for (r, node) in placed {
             let Some(port) = node.port.or(node.tls_port) else {
@@ -488,12 +512,22 @@ mod tests {
     #[test]
     fn new_nodes_take_free_indices_and_overflow_is_reported() {
         let mut a = Assignment::default();
-        placed(&mut a, &[shard("s-a", 0, vec![node("a1", true), node("a2", false)])]);
+        placed(
+            &mut a,
+            &[shard("s-a", 0, vec![node("a1", true), node("a2", false)])],
+        );
         // a2 is gone, a3 joins: it takes a2's free index.
-        let got = placed(&mut a, &[shard("s-a", 0, vec![node("a1", true), node("a3", false)])]);
+        let got = placed(
+            &mut a,
+            &[shard("s-a", 0, vec![node("a1", true), node("a3", false)])],
+        );
         assert_eq!(got[1], ("a3".into(), NodeRef::new(0, 1)));
         // A third node has no port left (stride 2 from the first discovery).
-        let three = [shard("s-a", 0, vec![node("a1", true), node("a3", false), node("a4", false)])];
+        let three = [shard(
+            "s-a",
+            0,
+            vec![node("a1", true), node("a3", false), node("a4", false)],
+        )];
         let (p, skipped) = a.assign(None, &three);
         assert_eq!(p.len(), 2);
         assert!(skipped[0].contains("a4"), "{skipped:?}");
@@ -508,9 +542,15 @@ mod tests {
         let shards = parse_shards(frame).unwrap();
         assert_eq!(shards.len(), 1);
         assert_eq!(shards[0].slots, vec![(0, 5460)]);
-        assert_eq!(shards[0].id.as_deref(), Some("4cba700fee4546bb08302528fb68a37194ccf1ac"));
+        assert_eq!(
+            shards[0].id.as_deref(),
+            Some("4cba700fee4546bb08302528fb68a37194ccf1ac")
+        );
         let n = &shards[0].nodes[0];
-        assert_eq!((n.ip.as_str(), n.port, n.primary), ("127.0.10.1", Some(6379), true));
+        assert_eq!(
+            (n.ip.as_str(), n.port, n.primary),
+            ("127.0.10.1", Some(6379), true)
+        );
     }
 
     #[test]
