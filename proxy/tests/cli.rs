@@ -209,3 +209,61 @@ fn an_unreachable_seed_is_reported_and_the_proxy_waits() {
         "{m}"
     );
 }
+
+#[test]
+fn sigterm_drains_open_connections_then_exits_cleanly() {
+    use std::io::{Read, Write};
+    let valkey = shardgate_tests::valkey::Standalone::start().unwrap();
+    let base = free_port_range(LO, 1);
+    let admin = SocketAddr::from((LO, free_port(LO)));
+    let path = tmp_file(
+        "sigterm",
+        &format!(
+            "basePort: {base}\nshards:\n- nodes: [127.0.0.1:{}]\n",
+            valkey.port
+        ),
+    );
+    let mut proxy = start(
+        &[
+            "--routes".into(),
+            path.display().to_string(),
+            "--drain-timeout".into(),
+            "20s".into(),
+        ],
+        admin,
+    );
+    proxy.wait_ready(Duration::from_secs(10)).unwrap();
+    let ping = |s: &mut TcpStream| -> std::io::Result<()> {
+        s.write_all(b"*1\r\n$4\r\nPING\r\n")?;
+        let mut buf = [0u8; 7];
+        s.read_exact(&mut buf)?;
+        assert_eq!(&buf, b"+PONG\r\n");
+        Ok(())
+    };
+    let mut open = TcpStream::connect((LO, base)).unwrap();
+    open.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    ping(&mut open).unwrap();
+
+    proxy.signal("TERM").unwrap();
+    proxy.wait_log("draining", Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        get(admin, "/readyz").unwrap().0,
+        503,
+        "still ready while draining"
+    );
+    assert!(
+        TcpStream::connect((LO, base)).is_err(),
+        "still accepting while draining"
+    );
+    ping(&mut open).expect("the open connection was cut by SIGTERM");
+    assert!(proxy.is_running(), "exited before its connection finished");
+
+    drop(open);
+    let status = proxy.wait_exit(Duration::from_secs(10)).unwrap();
+    assert!(
+        status.success(),
+        "exit status {status}; log:\n{}",
+        proxy.log()
+    );
+    assert!(proxy.log().contains("stopped"), "{}", proxy.log());
+}

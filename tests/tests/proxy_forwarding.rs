@@ -5,65 +5,15 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use shardgate_tests::addr::{free_port, free_port_range};
 use shardgate_tests::http::{get, metric};
-use shardgate_tests::tools::valkey_server;
+use shardgate_tests::valkey::Standalone;
 use tokio::task::block_in_place;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
-
-/// A standalone valkey-server on 127.0.0.1 (the one loopback address `localhost` names).
-struct Standalone {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl Standalone {
-    fn start() -> Standalone {
-        let port = free_port(LO);
-        let dir = std::env::temp_dir().join(format!("shardgate-fwd-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let child = Command::new(valkey_server().unwrap())
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect((LO, port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "valkey-server did not start on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Standalone { child, port, dir }
-    }
-}
-
-impl Drop for Standalone {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 fn routes_file(dir: &Path, base: u16, backends: &[String]) -> PathBuf {
     let nodes: Vec<String> = backends.iter().map(|b| format!("'{b}'")).collect();
@@ -119,7 +69,7 @@ fn sample(p: &ProxyHandle, name: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_are_closed_and_busy_ones_are_not() {
-    let v = Standalone::start();
+    let v = block_in_place(Standalone::start).unwrap();
     let base = free_port_range(LO, 1);
     let p = proxy(
         routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
@@ -152,7 +102,7 @@ async fn idle_connections_are_closed_and_busy_ones_are_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_limit_are_closed_and_counted() {
-    let v = Standalone::start();
+    let v = block_in_place(Standalone::start).unwrap();
     let base = free_port_range(LO, 1);
     let p = proxy(
         routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
@@ -193,7 +143,7 @@ async fn connections_past_the_limit_are_closed_and_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_stops_accepting_and_lets_open_connections_finish() {
-    let v = Standalone::start();
+    let v = block_in_place(Standalone::start).unwrap();
     let base = free_port_range(LO, 1);
     let p = proxy(
         routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
@@ -234,7 +184,7 @@ async fn drain_stops_accepting_and_lets_open_connections_finish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_values_pass_byte_for_byte() {
-    let v = Standalone::start();
+    let v = block_in_place(Standalone::start).unwrap();
     let base = free_port_range(LO, 1);
     let p = proxy(
         routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
@@ -276,7 +226,7 @@ async fn large_values_pass_byte_for_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backends_by_dns_name_and_unreachable_backends() {
-    let v = Standalone::start();
+    let v = block_in_place(Standalone::start).unwrap();
     let closed_port = free_port(LO);
     let base = free_port_range(LO, 2);
     // `localhost` resolves from /etc/hosts: no query leaves the machine.

@@ -31,6 +31,7 @@ mod cluster;
 mod node;
 mod procs;
 mod slot;
+mod standalone;
 mod view;
 
 use std::fmt;
@@ -43,6 +44,7 @@ pub use cluster::{SlotMigration, ValkeyCluster};
 pub use node::{Node, LOG_FILE};
 pub use procs::{processes_mentioning, stray_processes, MARKER};
 pub use slot::{hash_tag_for_slot, key_slot, slot_tags, SLOTS};
+pub use standalone::Standalone;
 pub use view::{parse_cluster_nodes, NodesLine};
 
 /// Extra settings for one node, computed from its position.
