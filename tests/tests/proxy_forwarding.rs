@@ -286,3 +286,69 @@ async fn a_route_to_the_proxy_itself_is_refused() {
     assert!(err.contains("this proxy's own listener"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `INFO server`'s `tcp_port` asked through a connection: which server is behind it.
+fn server_port(s: &mut TcpStream) -> u16 {
+    s.write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+        .unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0;
+    loop {
+        let n = s.read(&mut buf[got..]).unwrap();
+        assert!(n > 0, "closed");
+        got += n;
+        let text = String::from_utf8_lossy(&buf[..got]);
+        if let Some(line) = text.lines().find(|l| l.starts_with("tcp_port:")) {
+            if text.ends_with("\r\n\r\n") {
+                return line["tcp_port:".len()..].trim().parse().unwrap();
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_table_applies_to_new_connections_and_open_ones_keep_their_backend() {
+    let a = block_in_place(Standalone::start).unwrap();
+    let b = block_in_place(Standalone::start).unwrap();
+    let base = free_port_range(LO, 1);
+    let path = routes_file(&a.dir, base, &[format!("127.0.0.1:{}", a.port)]);
+    let mut config = ProxyConfig::new(SourceConfig::File {
+        path: path.clone(),
+        poll: Duration::from_millis(50),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = None;
+    config.drain_timeout = Duration::from_millis(100);
+    let p = Proxy::start(config).await.unwrap();
+    assert!(p.wait_ready(Duration::from_secs(10)).await);
+    let mut before = connect(base);
+    assert_eq!(block_in_place(|| server_port(&mut before)), a.port);
+
+    std::fs::write(
+        &path,
+        format!(
+            "basePort: {base}\nshards:\n- nodes: ['127.0.0.1:{}']\n",
+            b.port
+        ),
+    )
+    .unwrap();
+    let mut rx = p.routes();
+    tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|t| t.version == 2))
+        .await
+        .unwrap()
+        .unwrap();
+    block_in_place(|| {
+        let mut after = connect(base);
+        assert_eq!(
+            server_port(&mut after),
+            b.port,
+            "a new connection went to the old backend"
+        );
+        assert_eq!(
+            server_port(&mut before),
+            a.port,
+            "an open connection changed backend"
+        );
+    });
+    p.shutdown().await;
+}

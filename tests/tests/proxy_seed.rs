@@ -111,6 +111,16 @@ async fn seed_discovery_gives_every_node_a_stable_port_and_follows_the_cluster()
     })
     .await;
     assert_eq!(proxy.routes().borrow().routes.len(), 6);
+
+    // No node answers any more: the last good table stays, and so does readiness.
+    let last = proxy.routes().borrow().clone();
+    for node in cluster.nodes() {
+        cluster.kill(node.pos);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let now = proxy.routes().borrow().clone();
+    assert_eq!((now.version, &now.routes), (last.version, &last.routes));
+    assert!(proxy.is_ready());
     proxy.shutdown().await;
 }
 
