@@ -16,6 +16,7 @@ pub mod forward;
 pub mod listener;
 pub mod metrics;
 pub mod proxy;
+pub mod resp;
 pub mod resolve;
 pub mod route;
 

@@ -1,0 +1,263 @@
+//! The client→server direction: finds each command's name and first arguments as the bytes
+//! stream past, without buffering them (a 512 MB SET streams through in buffer-sized
+//! pieces). Both encodings are understood: RESP arrays of bulk strings and inline commands.
+
+use super::RespError;
+
+/// How many leading arguments (the name included) are kept.
+pub const KEPT_ARGS: usize = 3;
+/// Arguments longer than this are not kept (no command name or subcommand is).
+pub const KEPT_LEN: usize = 32;
+
+/// A command's name and first arguments, lowercased.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Command {
+    args: [Vec<u8>; KEPT_ARGS],
+    /// The number of arguments, the name included.
+    pub argc: u64,
+}
+
+impl Command {
+    /// Argument `i` (0 is the name), lowercased; empty if absent or too long to keep.
+    pub fn arg(&self, i: usize) -> &[u8] {
+        self.args.get(i).map_or(&[], |a| a.as_slice())
+    }
+
+    pub fn name(&self) -> &[u8] {
+        self.arg(0)
+    }
+
+    fn keep(&mut self, i: u64, bytes: &[u8]) {
+        if let Some(a) = self.args.get_mut(i as usize) {
+            if a.len() + bytes.len() <= KEPT_LEN {
+                a.extend(bytes.iter().map(u8::to_ascii_lowercase));
+            } else {
+                // Too long to be a name we care about: mark it so it matches nothing.
+                a.clear();
+                a.push(0);
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.args.iter_mut().for_each(Vec::clear);
+        self.argc = 0;
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Expecting `*` or an inline command.
+    Start,
+    /// In the `*<n>` line.
+    Count,
+    /// Expecting `$` for argument `i`.
+    ArgType,
+    /// In a `$<len>` line.
+    ArgLen,
+    /// In argument `i`'s payload; `left` counts its CRLF too.
+    Arg { left: u64 },
+    /// In an inline command's line.
+    Inline,
+}
+
+/// The request scanner; one per connection.
+#[derive(Debug)]
+pub struct RequestScanner {
+    state: State,
+    line: Vec<u8>,
+    max_line: usize,
+    cmd: Command,
+    /// Arguments still to come, and the index of the current one.
+    args_left: u64,
+    index: u64,
+}
+
+impl Default for RequestScanner {
+    fn default() -> Self {
+        RequestScanner::new(64 * 1024)
+    }
+}
+
+impl RequestScanner {
+    pub fn new(max_line: usize) -> Self {
+        RequestScanner {
+            state: State::Start,
+            line: Vec::new(),
+            max_line,
+            cmd: Command::default(),
+            args_left: 0,
+            index: 0,
+        }
+    }
+
+    /// Consumes `buf`, calling `on_command` for every command that completes in it.
+    pub fn feed(
+        &mut self,
+        buf: &[u8],
+        mut on_command: impl FnMut(&Command),
+    ) -> Result<(), RespError> {
+        let mut i = 0;
+        while i < buf.len() {
+            match self.state {
+                State::Start => {
+                    self.cmd.reset();
+                    self.line.clear();
+                    if buf[i] == b'*' {
+                        i += 1;
+                        self.state = State::Count;
+                    } else {
+                        self.state = State::Inline;
+                    }
+                }
+                State::Count | State::ArgLen | State::Inline => {
+                    let Some(nl) = memchr::memchr(b'\n', &buf[i..]) else {
+                        self.push_line(&buf[i..])?;
+                        return Ok(());
+                    };
+                    self.push_line(&buf[i..i + nl])?;
+                    i += nl + 1;
+                    let mut line = std::mem::take(&mut self.line);
+                    if line.last() == Some(&b'\r') {
+                        line.pop();
+                    }
+                    let r = self.line_done(&line, &mut on_command);
+                    line.clear();
+                    self.line = line;
+                    r?;
+                }
+                State::ArgType => {
+                    if buf[i] != b'$' {
+                        return Err(RespError::Type(buf[i]));
+                    }
+                    i += 1;
+                    self.state = State::ArgLen;
+                }
+                State::Arg { left } => {
+                    let take = ((buf.len() - i) as u64).min(left) as usize;
+                    let payload_left = left.saturating_sub(2);
+                    let keep = (take as u64).min(payload_left) as usize;
+                    if self.index < KEPT_ARGS as u64 && keep > 0 {
+                        self.cmd.keep(self.index, &buf[i..i + keep]);
+                    }
+                    // The CRLF after the payload must be there.
+                    super::scanner::check_terminator(&buf[i..i + take], left)?;
+                    i += take;
+                    let left = left - take as u64;
+                    if left > 0 {
+                        self.state = State::Arg { left };
+                        return Ok(());
+                    }
+                    self.index += 1;
+                    self.args_left -= 1;
+                    if self.args_left == 0 {
+                        on_command(&self.cmd);
+                        self.state = State::Start;
+                    } else {
+                        self.state = State::ArgType;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn push_line(&mut self, part: &[u8]) -> Result<(), RespError> {
+        if self.line.len() + part.len() > self.max_line {
+            return Err(RespError::LineTooLong(self.max_line));
+        }
+        self.line.extend_from_slice(part);
+        Ok(())
+    }
+
+    fn line_done(&mut self, line: &[u8], on_command: &mut impl FnMut(&Command)) -> Result<(), RespError> {
+        let number = |line: &[u8]| -> Result<u64, RespError> {
+            if line.is_empty() || line.len() > 19 || !line.iter().all(u8::is_ascii_digit) {
+                return Err(RespError::Length(String::from_utf8_lossy(line).into_owned()));
+            }
+            Ok(line.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+        };
+        match self.state {
+            State::Count => {
+                // `*0` and `*-1` are skipped by Valkey without a reply.
+                if line == b"-1" || line == b"0" {
+                    self.state = State::Start;
+                    return Ok(());
+                }
+                let n = number(line)?;
+                self.cmd.argc = n;
+                self.args_left = n;
+                self.index = 0;
+                self.state = State::ArgType;
+            }
+            State::ArgLen => {
+                let n = number(line)?;
+                self.state = State::Arg { left: n + 2 };
+            }
+            State::Inline => {
+                self.state = State::Start;
+                let mut words = line.split(|b| b.is_ascii_whitespace()).filter(|w| !w.is_empty());
+                let mut n = 0u64;
+                for (k, w) in words.by_ref().enumerate() {
+                    self.cmd.keep(k as u64, w);
+                    n += 1;
+                }
+                // An empty line is ignored by Valkey, without a reply.
+                if n > 0 {
+                    self.cmd.argc = n;
+                    on_command(&self.cmd);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn commands(input: &[u8], cuts: &[usize]) -> Result<Vec<(Vec<u8>, Vec<u8>, u64)>, RespError> {
+        let mut s = RequestScanner::default();
+        let mut out = vec![];
+        let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+        bounds.push(input.len());
+        bounds.sort_unstable();
+        let mut start = 0;
+        for b in bounds {
+            s.feed(&input[start..b], |c| out.push((c.name().to_vec(), c.arg(1).to_vec(), c.argc)))?;
+            start = b;
+        }
+        Ok(out)
+    }
+
+    const PIPELINE: &[u8] = b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$10\r\n0123456789\r\nPING\r\n  cluster   nodes  \r\n*1\r\n$5\r\nMULTI\r\n";
+
+    #[test]
+    fn names_and_subcommands_of_a_pipeline() {
+        let want: Vec<(Vec<u8>, Vec<u8>, u64)> = vec![
+            (b"cluster".to_vec(), b"slots".to_vec(), 2),
+            (b"set".to_vec(), b"key".to_vec(), 3),
+            (b"ping".to_vec(), vec![], 1),
+            (b"cluster".to_vec(), b"nodes".to_vec(), 2),
+            (b"multi".to_vec(), vec![], 1),
+        ];
+        assert_eq!(commands(PIPELINE, &[]).unwrap(), want);
+        assert_eq!(commands(b"*1\r\n$4\r\nMULTI\r\n", &[]), Err(RespError::Terminator));
+        assert!(commands(b"*1\r\n+PING\r\n", &[]).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn any_split_gives_the_same_commands(cuts in proptest::collection::vec(0usize..200, 0..10)) {
+            prop_assert_eq!(commands(PIPELINE, &cuts).unwrap(), commands(PIPELINE, &[]).unwrap());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), cuts in proptest::collection::vec(0usize..300, 0..4)) {
+            let _ = commands(&bytes, &cuts);
+        }
+    }
+}
