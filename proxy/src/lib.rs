@@ -16,8 +16,9 @@ pub mod forward;
 pub mod listener;
 pub mod metrics;
 pub mod proxy;
-pub mod resp;
 pub mod resolve;
+pub mod resp;
+pub mod rewrite;
 pub mod route;
 
 pub use config::{ProxyConfig, SourceConfig};

@@ -76,7 +76,11 @@ impl<'a> Frame<'a> {
 
 /// Parses one complete frame from the start of `buf`; returns it and its length.
 pub fn parse(buf: &[u8]) -> Result<(Frame<'_>, usize), RespError> {
-    let mut p = Parser { buf, pos: 0, depth: 0 };
+    let mut p = Parser {
+        buf,
+        pos: 0,
+        depth: 0,
+    };
     let f = p.frame()?;
     Ok((f, p.pos))
 }
@@ -101,10 +105,12 @@ impl<'a> Parser<'a> {
     fn len(line: &[u8]) -> Result<Option<usize>, RespError> {
         match line {
             b"-1" => Ok(None),
-            d if !d.is_empty() && d.len() <= 18 && d.iter().all(u8::is_ascii_digit) => {
-                Ok(Some(d.iter().fold(0usize, |n, c| n * 10 + usize::from(c - b'0'))))
-            }
-            _ => Err(RespError::Length(String::from_utf8_lossy(line).into_owned())),
+            d if !d.is_empty() && d.len() <= 18 && d.iter().all(u8::is_ascii_digit) => Ok(Some(
+                d.iter().fold(0usize, |n, c| n * 10 + usize::from(c - b'0')),
+            )),
+            _ => Err(RespError::Length(
+                String::from_utf8_lossy(line).into_owned(),
+            )),
         }
     }
 

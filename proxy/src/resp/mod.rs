@@ -3,6 +3,7 @@
 //! pairing of replies with requests, and the rewriters.
 
 pub mod frame;
+pub mod pairing;
 pub mod request;
 pub mod scanner;
 

@@ -170,10 +170,16 @@ impl RequestScanner {
         Ok(())
     }
 
-    fn line_done(&mut self, line: &[u8], on_command: &mut impl FnMut(&Command)) -> Result<(), RespError> {
+    fn line_done(
+        &mut self,
+        line: &[u8],
+        on_command: &mut impl FnMut(&Command),
+    ) -> Result<(), RespError> {
         let number = |line: &[u8]| -> Result<u64, RespError> {
             if line.is_empty() || line.len() > 19 || !line.iter().all(u8::is_ascii_digit) {
-                return Err(RespError::Length(String::from_utf8_lossy(line).into_owned()));
+                return Err(RespError::Length(
+                    String::from_utf8_lossy(line).into_owned(),
+                ));
             }
             Ok(line.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
         };
@@ -196,7 +202,9 @@ impl RequestScanner {
             }
             State::Inline => {
                 self.state = State::Start;
-                let mut words = line.split(|b| b.is_ascii_whitespace()).filter(|w| !w.is_empty());
+                let mut words = line
+                    .split(|b| b.is_ascii_whitespace())
+                    .filter(|w| !w.is_empty());
                 let mut n = 0u64;
                 for (k, w) in words.by_ref().enumerate() {
                     self.cmd.keep(k as u64, w);
@@ -227,7 +235,9 @@ mod tests {
         bounds.sort_unstable();
         let mut start = 0;
         for b in bounds {
-            s.feed(&input[start..b], |c| out.push((c.name().to_vec(), c.arg(1).to_vec(), c.argc)))?;
+            s.feed(&input[start..b], |c| {
+                out.push((c.name().to_vec(), c.arg(1).to_vec(), c.argc))
+            })?;
             start = b;
         }
         Ok(out)
@@ -245,7 +255,10 @@ mod tests {
             (b"multi".to_vec(), vec![], 1),
         ];
         assert_eq!(commands(PIPELINE, &[]).unwrap(), want);
-        assert_eq!(commands(b"*1\r\n$4\r\nMULTI\r\n", &[]), Err(RespError::Terminator));
+        assert_eq!(
+            commands(b"*1\r\n$4\r\nMULTI\r\n", &[]),
+            Err(RespError::Terminator)
+        );
         assert!(commands(b"*1\r\n+PING\r\n", &[]).is_err());
     }
 

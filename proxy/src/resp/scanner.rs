@@ -253,7 +253,20 @@ pub(crate) fn check_terminator(bytes: &[u8], left: u64) -> Result<(), RespError>
 fn is_type(b: u8) -> bool {
     matches!(
         b,
-        b'+' | b'-' | b':' | b'$' | b'*' | b'_' | b'#' | b',' | b'(' | b'!' | b'=' | b'%' | b'~' | b'>' | b'|'
+        b'+' | b'-'
+            | b':'
+            | b'$'
+            | b'*'
+            | b'_'
+            | b'#'
+            | b','
+            | b'('
+            | b'!'
+            | b'='
+            | b'%'
+            | b'~'
+            | b'>'
+            | b'|'
     )
 }
 
@@ -264,9 +277,11 @@ fn parse_len(body: &[u8]) -> Result<Option<u64>, RespError> {
         b"-1" => Ok(None),
         b"?" => Err(RespError::Streamed),
         [] => Err(bad()),
-        digits if digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit) => {
-            Ok(Some(digits.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0'))))
-        }
+        digits if digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit) => Ok(Some(
+            digits
+                .iter()
+                .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
+        )),
         _ => Err(bad()),
     }
 }

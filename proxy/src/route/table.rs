@@ -18,6 +18,10 @@ pub struct Route {
     /// The node's Valkey id, where the source knows it (used by topology rewriting).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node_id: Option<String>,
+    /// The hostname the node announces, where the source knows it (it may appear in
+    /// redirects instead of the address).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
 }
 
 /// Listener port → route.

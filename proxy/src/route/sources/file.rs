@@ -173,6 +173,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
                     node,
                     backend,
                     node_id: id.map(|i| i.to_ascii_lowercase()),
+                    hostname: None,
                 }),
             );
         }

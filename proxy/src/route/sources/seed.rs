@@ -49,6 +49,8 @@ pub struct DiscoveredNode {
     pub tls_port: Option<u16>,
     pub primary: bool,
     pub health: String,
+    /// `cluster-announce-hostname`, if set.
+    pub hostname: Option<String>,
 }
 
 /// A shard as `CLUSTER SHARDS` describes it.
@@ -199,6 +201,7 @@ pub fn parse_shards(frame: OwnedFrame) -> Result<Vec<DiscoveredShard>, SeedError
                             tls_port: None,
                             primary: false,
                             health: String::new(),
+                            hostname: None,
                         };
                         for (k, v) in pairs(node)? {
                             match k.as_str() {
@@ -208,6 +211,7 @@ pub fn parse_shards(frame: OwnedFrame) -> Result<Vec<DiscoveredShard>, SeedError
                                 "tls-port" => n.tls_port = port(v),
                                 "role" => n.primary = text(v).as_deref() == Some("master"),
                                 "health" => n.health = text(v).unwrap_or_default(),
+                                "hostname" => n.hostname = text(v).filter(|h| !h.is_empty()),
                                 _ => {}
                             }
                         }
@@ -398,6 +402,7 @@ impl SeedSource {
                     node: r,
                     backend,
                     node_id: Some(node.id.clone()),
+                    hostname: node.hostname.clone(),
                 }),
             );
         }
@@ -452,6 +457,7 @@ mod tests {
             tls_port: None,
             primary,
             health: "online".into(),
+            hostname: None,
         }
     }
 

@@ -1,0 +1,485 @@
+//! Which request each reply answers, so that only topology replies are rebuilt.
+//!
+//! The request side records, per command, what its reply will be ([`Expect`]); the reply
+//! side takes one entry per in-band reply. What does not fit one-request-one-reply is
+//! handled here:
+//! - pipelining: the queue is run-length encoded, so a million pipelined GETs cost one entry;
+//! - MULTI/EXEC: queued commands answer `+QUEUED`; EXEC's array carries their real replies;
+//! - `CLIENT REPLY OFF|SKIP`: commands that get no reply at all;
+//! - pub/sub: subscribe commands answer with zero or more confirmation frames (RESP2 arrays
+//!   or RESP3 pushes), and messages arrive unasked; they are told apart by shape;
+//! - RESP3 push frames (`>`: pub/sub, client-side-tracking invalidations) are out of band;
+//! - MONITOR: after its `+OK`, everything is out of band until RESET.
+
+use std::collections::VecDeque;
+
+use super::frame::Frame;
+use super::request::Command;
+
+/// What a request's reply is, for rewriting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expect {
+    Other,
+    ClusterSlots,
+    ClusterShards,
+    ClusterNodes,
+    /// CLUSTER REPLICAS / CLUSTER SLAVES.
+    ClusterReplicas,
+    Role,
+    /// INFO with the replication section in it.
+    Info,
+    /// (P|S)(UN)SUBSCRIBE: confirmations come as pub/sub frames, or one error.
+    PubSub,
+    Monitor,
+    Reset,
+    /// EXEC whose transaction holds topology commands, in order.
+    Exec(Vec<Expect>),
+}
+
+impl Expect {
+    /// Whether the reply must be captured whole and rewritten.
+    pub fn is_topology(&self) -> bool {
+        !matches!(
+            self,
+            Expect::Other | Expect::PubSub | Expect::Monitor | Expect::Reset
+        )
+    }
+
+    /// A metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Expect::ClusterSlots => "cluster_slots",
+            Expect::ClusterShards => "cluster_shards",
+            Expect::ClusterNodes => "cluster_nodes",
+            Expect::ClusterReplicas => "cluster_replicas",
+            Expect::Role => "role",
+            Expect::Info => "info",
+            Expect::Exec(_) => "exec",
+            _ => "other",
+        }
+    }
+
+    /// What `cmd`'s reply is. `info` says whether INFO and ROLE are rewritten.
+    pub fn of(cmd: &Command, info: bool) -> Expect {
+        match cmd.name() {
+            b"cluster" => match cmd.arg(1) {
+                b"slots" => Expect::ClusterSlots,
+                b"shards" => Expect::ClusterShards,
+                b"nodes" => Expect::ClusterNodes,
+                b"replicas" | b"slaves" => Expect::ClusterReplicas,
+                _ => Expect::Other,
+            },
+            b"role" if info => Expect::Role,
+            b"info" if info => {
+                // INFO with no section, or naming one that includes replication.
+                let sections = [cmd.arg(1), cmd.arg(2)];
+                if cmd.argc == 1
+                    || sections.iter().any(|s| {
+                        matches!(*s, b"replication" | b"all" | b"everything" | b"default")
+                    })
+                    // More sections than we kept: rewrite to be safe (the rewrite checks shape).
+                    || cmd.argc > 3
+                {
+                    Expect::Info
+                } else {
+                    Expect::Other
+                }
+            }
+            b"subscribe" | b"psubscribe" | b"ssubscribe" | b"unsubscribe" | b"punsubscribe"
+            | b"sunsubscribe" => Expect::PubSub,
+            b"monitor" => Expect::Monitor,
+            b"reset" => Expect::Reset,
+            _ => Expect::Other,
+        }
+    }
+}
+
+/// How a complete reply frame was placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// It answers a request that expected this.
+    InBand(Expect),
+    /// Pushed by the server unasked (pub/sub message, confirmation, invalidation, MONITOR).
+    OutOfBand,
+}
+
+/// The queue between the two directions of one connection.
+#[derive(Debug, Default)]
+pub struct Pairing {
+    /// Expected replies, oldest first, run-length encoded.
+    queue: VecDeque<(Expect, u64)>,
+    /// Whether INFO and ROLE are rewritten.
+    pub rewrite_info: bool,
+    // Request side.
+    in_multi: bool,
+    transaction: Vec<Expect>,
+    reply_off: bool,
+    skip_next: bool,
+    // Reply side.
+    subscribed: bool,
+    monitor: bool,
+}
+
+impl Pairing {
+    pub fn new(rewrite_info: bool) -> Self {
+        Pairing {
+            rewrite_info,
+            ..Pairing::default()
+        }
+    }
+
+    fn push(&mut self, e: Expect) {
+        if let Some((last, n)) = self.queue.back_mut() {
+            if *last == e {
+                *n += 1;
+                return;
+            }
+        }
+        self.queue.push_back((e, 1));
+    }
+
+    fn pop(&mut self) -> Option<Expect> {
+        let (front, n) = self.queue.front_mut()?;
+        if *n > 1 {
+            *n -= 1;
+            return Some(front.clone());
+        }
+        self.queue.pop_front().map(|(e, _)| e)
+    }
+
+    fn front(&self) -> Option<&Expect> {
+        self.queue.front().map(|(e, _)| e)
+    }
+
+    /// Replies still expected.
+    pub fn pending(&self) -> u64 {
+        self.queue.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Records a command the client sent.
+    pub fn on_request(&mut self, cmd: &Command) {
+        let name = cmd.name();
+        if name == b"reset" {
+            self.in_multi = false;
+            self.transaction.clear();
+            self.reply_off = false;
+            self.skip_next = false;
+            self.push(Expect::Reset);
+            return;
+        }
+        if name == b"client" && cmd.arg(1) == b"reply" {
+            match cmd.arg(2) {
+                b"on" => {
+                    self.reply_off = false;
+                    self.skip_next = false;
+                    self.push(Expect::Other);
+                }
+                b"off" => self.reply_off = true,
+                b"skip" if !self.reply_off => self.skip_next = true,
+                _ => {
+                    if !self.reply_off && !std::mem::take(&mut self.skip_next) {
+                        self.push(Expect::Other); // an error reply
+                    }
+                }
+            }
+            return;
+        }
+        if self.reply_off || std::mem::take(&mut self.skip_next) {
+            return;
+        }
+        let expect = Expect::of(cmd, self.rewrite_info);
+        if self.in_multi {
+            match name {
+                b"exec" => {
+                    self.in_multi = false;
+                    let tx = std::mem::take(&mut self.transaction);
+                    if tx.iter().any(Expect::is_topology) {
+                        self.push(Expect::Exec(tx));
+                    } else {
+                        self.push(Expect::Other);
+                    }
+                }
+                b"discard" => {
+                    self.in_multi = false;
+                    self.transaction.clear();
+                    self.push(Expect::Other);
+                }
+                _ => {
+                    // `+QUEUED` (or an error) now; the real reply comes inside EXEC's.
+                    self.transaction.push(expect);
+                    self.push(Expect::Other);
+                }
+            }
+            return;
+        }
+        if name == b"multi" {
+            self.in_multi = true;
+        }
+        self.push(expect);
+    }
+
+    /// Whether the reply frame that starts with type byte `ty` must be captured whole: a
+    /// topology reply, an error (MOVED/ASK), or an array that may be a RESP2 pub/sub frame.
+    pub fn capture(&self, ty: u8) -> bool {
+        if self.monitor {
+            // Only to spot RESET's reply among the monitor lines.
+            return ty == b'+' && matches!(self.front(), Some(Expect::Reset));
+        }
+        if ty == b'>' {
+            return false;
+        }
+        if ty == b'-' {
+            return true;
+        }
+        let pubsub_front = matches!(self.front(), Some(Expect::PubSub));
+        if ty == b'*' && (self.subscribed || pubsub_front) {
+            return true;
+        }
+        let next = self
+            .queue
+            .iter()
+            .map(|(e, _)| e)
+            .find(|e| **e != Expect::PubSub);
+        next.is_some_and(Expect::is_topology)
+    }
+
+    /// Places one complete reply frame. `frame` is given when it was captured.
+    pub fn on_reply(&mut self, ty: u8, frame: Option<&Frame<'_>>) -> Answer {
+        if self.monitor {
+            let reset = matches!(frame, Some(Frame::Simple(s)) if s.as_ref() == b"RESET");
+            if !reset || !matches!(self.front(), Some(Expect::Reset)) {
+                return Answer::OutOfBand;
+            }
+        }
+        if ty == b'>' {
+            return Answer::OutOfBand;
+        }
+        let pubsub_front = matches!(self.front(), Some(Expect::PubSub));
+        if ty == b'*' && (self.subscribed || pubsub_front) {
+            if let Some(kind) = frame.and_then(pubsub_kind) {
+                if kind != PubSubKind::Pong {
+                    if let PubSubKind::Confirmation(count) = kind {
+                        self.subscribed = count > 0;
+                    }
+                    return Answer::OutOfBand;
+                }
+            }
+        }
+        if pubsub_front {
+            if ty == b'-' {
+                // One error answers a whole subscribe command.
+                self.pop();
+                return Answer::InBand(Expect::PubSub);
+            }
+            while matches!(self.front(), Some(Expect::PubSub)) {
+                self.pop();
+            }
+        }
+        let expect = self.pop().unwrap_or(Expect::Other);
+        match expect {
+            Expect::Monitor if ty == b'+' => self.monitor = true,
+            Expect::Reset => {
+                self.subscribed = false;
+                self.monitor = false;
+            }
+            _ => {}
+        }
+        Answer::InBand(expect)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PubSubKind {
+    Message,
+    /// A (un)subscribe confirmation, with the subscription count it reports.
+    Confirmation(i64),
+    /// PING's reply in subscribed mode: in band.
+    Pong,
+}
+
+/// Whether a RESP2 array is a pub/sub frame, by its first element.
+fn pubsub_kind(f: &Frame<'_>) -> Option<PubSubKind> {
+    let Frame::Array(b'*', items) = f else {
+        return None;
+    };
+    let first = items.first()?.as_bytes()?;
+    let name = first.to_ascii_lowercase();
+    match name.as_slice() {
+        b"message" | b"pmessage" | b"smessage" => Some(PubSubKind::Message),
+        b"subscribe" | b"psubscribe" | b"ssubscribe" | b"unsubscribe" | b"punsubscribe"
+        | b"sunsubscribe" => Some(PubSubKind::Confirmation(
+            items.get(2).and_then(Frame::as_int).unwrap_or(0),
+        )),
+        b"pong" => Some(PubSubKind::Pong),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resp::frame::parse;
+    use crate::resp::request::RequestScanner;
+
+    /// Feeds the requests, then places each reply; returns the answers.
+    fn pair(requests: &[u8], replies: &[&[u8]]) -> Vec<Answer> {
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        s.feed(requests, |c| p.on_request(c)).unwrap();
+        replies
+            .iter()
+            .map(|r| {
+                let ty = r[0];
+                let frame = parse(r).unwrap().0;
+                let captured = p.capture(ty);
+                p.on_reply(ty, captured.then_some(&frame))
+            })
+            .collect()
+    }
+
+    use Answer::{InBand, OutOfBand};
+
+    #[test]
+    fn pipelined_commands() {
+        let got = pair(
+            b"GET a\r\nCLUSTER SLOTS\r\nGET b\r\ncluster nodes\r\nROLE\r\nINFO server\r\nINFO\r\n",
+            &[
+                b"$1\r\nx\r\n",
+                b"*0\r\n",
+                b"$-1\r\n",
+                b"$0\r\n\r\n",
+                b"*0\r\n",
+                b"$0\r\n\r\n",
+                b"$0\r\n\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            vec![
+                InBand(Expect::Other),
+                InBand(Expect::ClusterSlots),
+                InBand(Expect::Other),
+                InBand(Expect::ClusterNodes),
+                InBand(Expect::Role),
+                InBand(Expect::Other),
+                InBand(Expect::Info),
+            ]
+        );
+    }
+
+    #[test]
+    fn transactions() {
+        let got = pair(
+            b"MULTI\r\nGET a\r\nCLUSTER SHARDS\r\nEXEC\r\nMULTI\r\nGET a\r\nEXEC\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n", b"+QUEUED\r\n", b"*2\r\n$-1\r\n*0\r\n", b"+OK\r\n", b"-MOVED 1 a:1\r\n", b"-EXECABORT x\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got[3],
+            InBand(Expect::Exec(vec![Expect::Other, Expect::ClusterShards]))
+        );
+        assert_eq!(got[6], InBand(Expect::Other));
+        assert_eq!(got[7], InBand(Expect::ClusterSlots));
+    }
+
+    #[test]
+    fn client_reply_off_and_skip() {
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nGET a\r\nCLUSTER SLOTS\r\nCLIENT REPLY OFF\r\nGET b\r\nCLUSTER NODES\r\nCLIENT REPLY ON\r\nROLE\r\n",
+            &[b"*0\r\n", b"+OK\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got,
+            vec![
+                InBand(Expect::ClusterSlots),
+                InBand(Expect::Other),
+                InBand(Expect::Role)
+            ]
+        );
+    }
+
+    #[test]
+    fn resp2_pubsub_messages_are_out_of_band() {
+        let got = pair(
+            b"SUBSCRIBE a b\r\nPING\r\nUNSUBSCRIBE\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"*3\r\n$9\r\nsubscribe\r\n$1\r\na\r\n:1\r\n",
+                b"*3\r\n$9\r\nsubscribe\r\n$1\r\nb\r\n:2\r\n",
+                b"*3\r\n$7\r\nmessage\r\n$1\r\na\r\n$5\r\nhello\r\n",
+                b"*2\r\n$4\r\npong\r\n$0\r\n\r\n",
+                b"*3\r\n$11\r\nunsubscribe\r\n$1\r\na\r\n:1\r\n",
+                b"*3\r\n$11\r\nunsubscribe\r\n$1\r\nb\r\n:0\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            vec![
+                OutOfBand,
+                OutOfBand,
+                OutOfBand,
+                InBand(Expect::Other),
+                OutOfBand,
+                OutOfBand,
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_subscribe_error_answers_the_whole_command() {
+        // SSUBSCRIBE to a foreign slot: one -MOVED, in band.
+        let got = pair(
+            b"SSUBSCRIBE foo\r\nCLUSTER SLOTS\r\n",
+            &[b"-MOVED 12182 127.0.10.3:6379\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got,
+            vec![InBand(Expect::PubSub), InBand(Expect::ClusterSlots)]
+        );
+    }
+
+    #[test]
+    fn resp3_pushes_and_monitor() {
+        let got = pair(
+            b"HELLO 3\r\nSUBSCRIBE a\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"%0\r\n",
+                b">3\r\n$9\r\nsubscribe\r\n$1\r\na\r\n:1\r\n",
+                b">3\r\n$7\r\nmessage\r\n$1\r\na\r\n$1\r\nx\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            vec![
+                InBand(Expect::Other),
+                OutOfBand,
+                OutOfBand,
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+        let got = pair(
+            b"MONITOR\r\nRESET\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"+1 \"get\"\r\n", b"+RESET\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got,
+            vec![
+                InBand(Expect::Monitor),
+                OutOfBand,
+                InBand(Expect::Reset),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_million_pipelined_gets_take_one_entry() {
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        let req = b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n".repeat(1_000_000);
+        s.feed(&req, |c| p.on_request(c)).unwrap();
+        assert_eq!(p.pending(), 1_000_000);
+        assert_eq!(p.queue.len(), 1);
+    }
+}

@@ -1,0 +1,94 @@
+//! Rewriting the topology that Valkey hands out, so that external clients are sent to the
+//! proxy's ports instead of the nodes' internal addresses.
+//!
+//! Each rewriter works on a parsed [`Frame`] and changes only address-bearing leaves; a
+//! reply that names no known node comes back unchanged. An address is rewritten whole (host
+//! and port together) or not at all: an address the map does not know is reported, so the
+//! caller can count it and refresh its route source, and is never half-rewritten.
+//!
+//! The special endpoints keep their meaning: a NULL endpoint (same host as dialled), `""`
+//! (unknown) and `"?"` (hostname preferred but none set) stay as they are, with the port
+//! rewritten, since a client pairs them with the host it dialled: the proxy.
+
+pub mod addresses;
+mod nodes;
+mod redirect;
+mod replication;
+pub mod stream;
+mod topology;
+
+pub use addresses::AddressMap;
+
+use crate::resp::frame::{encode, Frame};
+use crate::resp::pairing::Expect;
+
+/// What a rewrite did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// Addresses rewritten.
+    pub rewritten: u32,
+    /// Addresses the map did not know (left as they were), as `host:port` or node id.
+    pub unknown: Vec<String>,
+}
+
+impl Report {
+    pub(crate) fn unknown(&mut self, what: impl Into<String>) {
+        self.unknown.push(what.into());
+    }
+}
+
+/// Rewrites one complete reply `frame` that answers `expect`. Returns the new bytes if
+/// anything changed.
+pub fn rewrite(
+    map: &AddressMap,
+    expect: &Expect,
+    frame: &mut Frame<'_>,
+    report: &mut Report,
+) -> bool {
+    let before = report.rewritten;
+    rewrite_in_place(map, expect, frame, report);
+    report.rewritten > before
+}
+
+/// Like [`rewrite`], then encodes the frame if it changed.
+pub fn rewrite_to_bytes(
+    map: &AddressMap,
+    expect: &Expect,
+    mut frame: Frame<'_>,
+    report: &mut Report,
+) -> Option<Vec<u8>> {
+    if !rewrite(map, expect, &mut frame, report) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(256);
+    encode(&frame, &mut out);
+    Some(out)
+}
+
+fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, report: &mut Report) {
+    if let Frame::Error(line) = frame {
+        if let Some(new) = redirect::rewrite(map, line, report) {
+            *line = new.into();
+        }
+        return;
+    }
+    if let Frame::Attribute(_, inner) = frame {
+        return rewrite_in_place(map, expect, inner, report);
+    }
+    match expect {
+        Expect::ClusterSlots => topology::slots(map, frame, report),
+        Expect::ClusterShards => topology::shards(map, frame, report),
+        Expect::ClusterNodes => nodes::nodes(map, frame, report),
+        Expect::ClusterReplicas => nodes::replicas(map, frame, report),
+        Expect::Role => replication::role(map, frame, report),
+        Expect::Info => replication::info(map, frame, report),
+        Expect::Exec(kinds) => {
+            if let Frame::Array(_, items) = frame {
+                for (item, kind) in items.iter_mut().zip(kinds) {
+                    rewrite_in_place(map, kind, item, report);
+                }
+            }
+        }
+        Expect::Other | Expect::PubSub | Expect::Monitor | Expect::Reset => {}
+    }
+}

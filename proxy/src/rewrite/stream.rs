@@ -1,0 +1,197 @@
+//! The two directions of a rewriting connection.
+//!
+//! [`RequestSide`] watches the client's commands and records what each reply will be;
+//! [`ReplySide`] walks the server's replies frame by frame. A reply that cannot carry an
+//! address streams through untouched (its bytes are forwarded as they arrive, as ranges of
+//! the read buffer); a topology reply or an error is captured whole, rewritten, and sent on.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use super::{rewrite_to_bytes, AddressMap, Report};
+use crate::resp::frame::parse;
+use crate::resp::pairing::{Answer, Pairing};
+use crate::resp::request::RequestScanner;
+use crate::resp::{RespError, Scan, Scanner};
+
+/// Limits of one rewriting connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// A captured reply (a topology reply) larger than this closes the connection.
+    pub max_frame: usize,
+    /// A header or simple line longer than this closes the connection.
+    pub max_line: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_frame: 64 << 20,
+            max_line: 64 << 10,
+        }
+    }
+}
+
+/// State shared by the two directions of one connection.
+pub struct Shared {
+    pub pairing: Mutex<Pairing>,
+}
+
+impl Shared {
+    pub fn new(rewrite_info: bool) -> Self {
+        Shared {
+            pairing: Mutex::new(Pairing::new(rewrite_info)),
+        }
+    }
+
+    fn pairing(&self) -> std::sync::MutexGuard<'_, Pairing> {
+        // A panic while holding it would be a bug; the state is still usable.
+        self.pairing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Client → server.
+pub struct RequestSide {
+    scanner: RequestScanner,
+}
+
+impl RequestSide {
+    pub fn new(limits: Limits) -> Self {
+        RequestSide {
+            scanner: RequestScanner::new(limits.max_line),
+        }
+    }
+
+    /// Notes the commands in `buf` (which is then forwarded unchanged).
+    pub fn observe(&mut self, buf: &[u8], shared: &Shared) -> Result<(), RespError> {
+        let mut pairing = shared.pairing();
+        self.scanner.feed(buf, |cmd| pairing.on_request(cmd))
+    }
+}
+
+/// A piece of output: bytes of the input as they were, or rewritten bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Segment {
+    Input(Range<usize>),
+    Owned(Vec<u8>),
+}
+
+/// Server → client.
+pub struct ReplySide {
+    scanner: Scanner,
+    limits: Limits,
+    /// The current frame's bytes, while it is captured.
+    capture: Option<Vec<u8>>,
+    ty: u8,
+}
+
+impl ReplySide {
+    pub fn new(limits: Limits) -> Self {
+        ReplySide {
+            scanner: Scanner::new(limits.max_line),
+            limits,
+            capture: None,
+            ty: 0,
+        }
+    }
+
+    /// Processes `input`, appending what to send to `out`, and accounting in `report`.
+    pub fn process(
+        &mut self,
+        input: &[u8],
+        shared: &Shared,
+        map: &AddressMap,
+        out: &mut Vec<Segment>,
+        report: &mut Report,
+    ) -> Result<(), RespError> {
+        let mut pairing = shared.pairing();
+        // Start of the input range not yet emitted.
+        let mut pending = 0;
+        let mut i = 0;
+        while i < input.len() {
+            if !self.scanner.in_frame() {
+                self.ty = input[i];
+                if pairing.capture(self.ty) {
+                    emit(out, pending..i);
+                    pending = i;
+                    self.capture = Some(Vec::new());
+                }
+            }
+            let start = i;
+            match self.scanner.scan(input, i)? {
+                Scan::Complete { end } => {
+                    i = end;
+                    match self.capture.take() {
+                        None => {
+                            pairing.on_reply(self.ty, None);
+                        }
+                        Some(mut buf) => {
+                            let whole: &[u8] = if buf.is_empty() {
+                                &input[start..end]
+                            } else {
+                                self.grow(&mut buf, &input[start..end])?;
+                                &buf
+                            };
+                            let (frame, _) = parse(whole)?;
+                            let answer = pairing.on_reply(self.ty, Some(&frame));
+                            let expect = match answer {
+                                Answer::InBand(e) => e,
+                                Answer::OutOfBand => crate::resp::pairing::Expect::Other,
+                            };
+                            match rewrite_to_bytes(map, &expect, frame, report) {
+                                Some(new) => out.push(Segment::Owned(new)),
+                                None if buf.is_empty() => emit(out, start..end),
+                                None => out.push(Segment::Owned(buf)),
+                            }
+                            pending = end;
+                        }
+                    }
+                }
+                Scan::Incomplete => {
+                    i = input.len();
+                    if let Some(mut buf) = self.capture.take() {
+                        self.grow(&mut buf, &input[start..])?;
+                        self.capture = Some(buf);
+                        pending = i;
+                    }
+                }
+            }
+        }
+        emit(out, pending..input.len());
+        Ok(())
+    }
+
+    fn grow(&self, buf: &mut Vec<u8>, more: &[u8]) -> Result<(), RespError> {
+        if buf.len() + more.len() > self.limits.max_frame {
+            return Err(RespError::FrameTooLarge(self.limits.max_frame));
+        }
+        buf.extend_from_slice(more);
+        Ok(())
+    }
+}
+
+/// Appends an input range, merging it with the previous one when they touch.
+fn emit(out: &mut Vec<Segment>, r: Range<usize>) {
+    if r.is_empty() {
+        return;
+    }
+    if let Some(Segment::Input(prev)) = out.last_mut() {
+        if prev.end == r.start {
+            prev.end = r.end;
+            return;
+        }
+    }
+    out.push(Segment::Input(r));
+}
+
+/// Concatenates the output for `input` (tests and benchmarks).
+pub fn flatten(input: &[u8], segments: &[Segment]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(input.len());
+    for s in segments {
+        match s {
+            Segment::Input(r) => v.extend_from_slice(&input[r.clone()]),
+            Segment::Owned(b) => v.extend_from_slice(b),
+        }
+    }
+    v
+}

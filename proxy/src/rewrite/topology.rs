@@ -1,0 +1,212 @@
+//! CLUSTER SLOTS and CLUSTER SHARDS.
+
+use std::borrow::Cow;
+
+use super::addresses::{port_text, AddressMap};
+use super::Report;
+use crate::resp::frame::Frame;
+
+/// A map in either protocol: RESP3 `%` pairs, or a RESP2 flat `*` array of keys and values.
+enum MapRef<'f, 'a> {
+    Pairs(&'f mut Vec<(Frame<'a>, Frame<'a>)>),
+    Flat(&'f mut Vec<Frame<'a>>),
+}
+
+impl<'f, 'a> MapRef<'f, 'a> {
+    fn of(f: &'f mut Frame<'a>) -> Option<Self> {
+        match f {
+            Frame::Map(pairs) => Some(MapRef::Pairs(pairs)),
+            Frame::Array(b'*', items) if items.len() % 2 == 0 => Some(MapRef::Flat(items)),
+            _ => None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            MapRef::Pairs(p) => p.len(),
+            MapRef::Flat(f) => f.len() / 2,
+        }
+    }
+
+    fn key(&self, i: usize) -> Option<&[u8]> {
+        match self {
+            MapRef::Pairs(p) => p[i].0.as_bytes(),
+            MapRef::Flat(f) => f[2 * i].as_bytes(),
+        }
+    }
+
+    fn value(&self, i: usize) -> &Frame<'a> {
+        match self {
+            MapRef::Pairs(p) => &p[i].1,
+            MapRef::Flat(f) => &f[2 * i + 1],
+        }
+    }
+
+    fn value_mut(&mut self, i: usize) -> &mut Frame<'a> {
+        match self {
+            MapRef::Pairs(p) => &mut p[i].1,
+            MapRef::Flat(f) => &mut f[2 * i + 1],
+        }
+    }
+
+    fn index(&self, key: &[u8]) -> Option<usize> {
+        (0..self.len()).find(|&i| self.key(i) == Some(key))
+    }
+
+    fn get(&self, key: &[u8]) -> Option<&Frame<'a>> {
+        self.index(key).map(|i| self.value(i))
+    }
+
+    fn remove(&mut self, key: &[u8]) {
+        if let Some(i) = self.index(key) {
+            match self {
+                MapRef::Pairs(p) => {
+                    p.remove(i);
+                }
+                MapRef::Flat(f) => {
+                    f.drain(2 * i..2 * i + 2);
+                }
+            }
+        }
+    }
+
+    fn set(&mut self, key: &[u8], value: Frame<'a>) {
+        if let Some(i) = self.index(key) {
+            *self.value_mut(i) = value;
+        }
+    }
+}
+
+fn bulk(s: &str) -> Frame<'static> {
+    Frame::Bulk(Cow::Owned(s.as_bytes().to_vec()))
+}
+
+fn int(p: u16) -> Frame<'static> {
+    Frame::Int(Cow::Owned(port_text(p)))
+}
+
+/// Whether an endpoint value is a special one that keeps its meaning (NULL, `""`, `"?"`).
+fn special_endpoint(f: &Frame<'_>) -> bool {
+    match f {
+        Frame::Null(_) => true,
+        other => matches!(other.as_bytes(), Some(b"") | Some(b"?")),
+    }
+}
+
+/// The `ip` and `hostname` keys of a node description: the advertised host under the key
+/// that matches its kind; the other key, which would name an internal address, goes.
+fn rewrite_ip_and_hostname(map: &AddressMap, m: &mut MapRef<'_, '_>) {
+    let host = map.host();
+    let (keep, drop) = if map.host_is_ip() {
+        (&b"ip"[..], &b"hostname"[..])
+    } else {
+        (&b"hostname"[..], &b"ip"[..])
+    };
+    if m.index(keep).is_some() {
+        m.set(keep, bulk(host));
+    }
+    m.remove(drop);
+}
+
+/// `CLUSTER SLOTS`: `[[start, end, [endpoint, port, id, metadata], ...], ...]`.
+pub fn slots(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
+    let Frame::Array(_, ranges) = f else { return };
+    for range in ranges {
+        let Frame::Array(_, items) = range else {
+            continue;
+        };
+        for node in items.iter_mut().skip(2) {
+            let Frame::Array(_, fields) = node else {
+                continue;
+            };
+            if fields.len() < 2 {
+                continue;
+            }
+            let port = fields[1].as_int().and_then(|p| u16::try_from(p).ok());
+            let id = fields.get(2).and_then(Frame::as_bytes).map(<[u8]>::to_vec);
+            let meta_ip = fields
+                .get_mut(3)
+                .and_then(MapRef::of)
+                .and_then(|m| m.get(b"ip").and_then(Frame::as_bytes).map(<[u8]>::to_vec));
+            let endpoint = fields[0].as_bytes().map(<[u8]>::to_vec);
+            let Some(ext) = map.find(
+                id.as_deref(),
+                &[(endpoint.as_deref(), port), (meta_ip.as_deref(), port)],
+            ) else {
+                report.unknown(describe(id.as_deref(), endpoint.as_deref(), port));
+                continue;
+            };
+            if !special_endpoint(&fields[0]) {
+                fields[0] = bulk(map.host());
+            }
+            fields[1] = int(ext);
+            if let Some(mut meta) = fields.get_mut(3).and_then(MapRef::of) {
+                rewrite_ip_and_hostname(map, &mut meta);
+            }
+            report.rewritten += 1;
+        }
+    }
+}
+
+/// `CLUSTER SHARDS`: `[{slots, nodes: [{id, port, ip, endpoint, hostname?, ...}], id}]`.
+pub fn shards(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
+    let Frame::Array(_, shards) = f else { return };
+    for shard in shards {
+        let Some(mut shard) = MapRef::of(shard) else {
+            continue;
+        };
+        let Some(i) = shard.index(b"nodes") else {
+            continue;
+        };
+        let Frame::Array(_, nodes) = shard.value_mut(i) else {
+            continue;
+        };
+        for node in nodes {
+            let Some(mut m) = MapRef::of(node) else {
+                continue;
+            };
+            let text = |m: &MapRef<'_, '_>, k: &[u8]| {
+                m.get(k).and_then(Frame::as_bytes).map(<[u8]>::to_vec)
+            };
+            let port = m
+                .get(b"port")
+                .or_else(|| m.get(b"tls-port"))
+                .and_then(Frame::as_int)
+                .and_then(|p| u16::try_from(p).ok());
+            let id = text(&m, b"id");
+            let ip = text(&m, b"ip");
+            let endpoint = text(&m, b"endpoint");
+            let hostname = text(&m, b"hostname");
+            let Some(ext) = map.find(
+                id.as_deref(),
+                &[
+                    (ip.as_deref(), port),
+                    (endpoint.as_deref(), port),
+                    (hostname.as_deref(), port),
+                ],
+            ) else {
+                report.unknown(describe(id.as_deref(), ip.as_deref(), port));
+                continue;
+            };
+            m.set(b"port", int(ext));
+            // The node's TLS port is internal; the proxy's TLS port is not known here.
+            m.remove(b"tls-port");
+            if let Some(e) = m.index(b"endpoint") {
+                if !special_endpoint(m.value(e)) {
+                    m.set(b"endpoint", bulk(map.host()));
+                }
+            }
+            rewrite_ip_and_hostname(map, &mut m);
+            report.rewritten += 1;
+        }
+    }
+}
+
+fn describe(id: Option<&[u8]>, host: Option<&[u8]>, port: Option<u16>) -> String {
+    format!(
+        "{}:{} (node {})",
+        host.map(String::from_utf8_lossy).unwrap_or_default(),
+        port.map_or(String::from("?"), |p| p.to_string()),
+        id.map(String::from_utf8_lossy).unwrap_or_default()
+    )
+}
