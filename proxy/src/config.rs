@@ -38,6 +38,15 @@ pub struct ProxyConfig {
     pub drain_timeout: Duration,
     /// Bytes buffered per direction per connection (the back-pressure bound).
     pub buffer_size: usize,
+    /// Rewrite topology on listeners whose source does not say otherwise.
+    pub rewrite: bool,
+    /// The host (IP or DNS name) external clients reach the proxy at: the address that
+    /// rewritten replies hand out. Needed by rewriting listeners.
+    pub advertise_host: Option<String>,
+    /// Also rewrite ROLE and INFO replication (on by default with rewriting).
+    pub rewrite_info: bool,
+    /// Limits of rewriting connections.
+    pub limits: crate::rewrite::stream::Limits,
 }
 
 impl ProxyConfig {
@@ -52,6 +61,10 @@ impl ProxyConfig {
             connect_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(25),
             buffer_size: 16 * 1024,
+            rewrite: false,
+            advertise_host: None,
+            rewrite_info: true,
+            limits: crate::rewrite::stream::Limits::default(),
         }
     }
 }

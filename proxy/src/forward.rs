@@ -15,9 +15,13 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::{BytesLabels, KindLabels, Metrics, PortLabels, ReasonLabels};
+use crate::metrics::{BytesLabels, KindLabels, Metrics, PortLabels, ReasonLabels, RewriteLabels};
 use crate::resolve::{DialError, Resolver};
-use crate::route::Route;
+use crate::resp::RespError;
+use crate::rewrite::stream::{Limits, ReplySide, RequestSide, Segment, Shared};
+use crate::rewrite::Report;
+use crate::route::{Route, RouteRx};
+use tokio::sync::Notify;
 
 /// Which side an error came from (as pingora tags them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +45,12 @@ pub enum ForwardError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{side:?} side sent invalid RESP: {source}")]
+    Protocol {
+        side: Side,
+        #[source]
+        source: RespError,
+    },
 }
 
 /// How a connection ended without error.
@@ -63,6 +73,12 @@ pub struct Forwarder {
     pub buffer_size: usize,
     /// Cancelled when the drain timeout runs out: every connection still open then closes.
     pub hard_stop: CancellationToken,
+    /// The latest table, whose address map rewriting listeners use.
+    pub routes: RouteRx,
+    pub rewrite_info: bool,
+    pub limits: Limits,
+    /// Wakes the route source when a reply names an address no route knows.
+    pub refresh: Arc<Notify>,
 }
 
 impl Forwarder {
@@ -101,13 +117,28 @@ impl Forwarder {
             Err(ForwardError::Io {
                 side: Side::Client, ..
             }) => "client_error",
+            Err(ForwardError::Protocol { side, .. }) => {
+                let side = if *side == Side::Client {
+                    "client"
+                } else {
+                    "backend"
+                };
+                self.metrics
+                    .rewrite
+                    .protocol_errors
+                    .get_or_create(&ReasonLabels { reason: side })
+                    .inc();
+                "protocol_error"
+            }
         };
         m.closed.get_or_create(&ReasonLabels { reason }).inc();
         match outcome {
             Ok(closed) => {
                 tracing::debug!(port, ?peer, backend = %route.backend, ?closed, "connection closed")
             }
-            Err(e @ ForwardError::Dial { .. }) => tracing::warn!(port, ?peer, "{e}"),
+            Err(e @ (ForwardError::Dial { .. } | ForwardError::Protocol { .. })) => {
+                tracing::warn!(port, ?peer, backend = %route.backend, "{e}")
+            }
             Err(e) => {
                 tracing::debug!(port, ?peer, backend = %route.backend, "connection ended: {e}")
             }
@@ -151,31 +182,137 @@ impl Forwarder {
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
         let copy = async {
-            tokio::try_join!(
-                pump(
-                    cr,
-                    bw,
-                    self.buffer_size,
-                    &up,
-                    &clock,
-                    Side::Client,
-                    Side::Backend
-                ),
-                pump(
-                    br,
-                    cw,
-                    self.buffer_size,
-                    &down,
-                    &clock,
-                    Side::Backend,
-                    Side::Client
-                ),
-            )
+            if route.rewrite {
+                let shared = Shared::new(self.rewrite_info);
+                tokio::try_join!(
+                    self.requests(cr, bw, &shared, &up, &clock),
+                    self.replies(br, cw, &shared, &down, &clock),
+                )
+                .map(|_| ())
+            } else {
+                let (c2b, b2c) = (Side::Client, Side::Backend);
+                tokio::try_join!(
+                    pump(cr, bw, self.buffer_size, &up, &clock, c2b, b2c),
+                    pump(br, cw, self.buffer_size, &down, &clock, b2c, c2b),
+                )
+                .map(|_| ())
+            }
         };
         tokio::select! {
             r = copy => r.map(|_| Closed::Eof),
             _ = idle(&clock, self.idle_timeout) => Ok(Closed::Idle),
             _ = self.hard_stop.cancelled() => Ok(Closed::Drained),
+        }
+    }
+}
+
+impl Forwarder {
+    /// Client → backend on a rewriting listener: the commands are noted, the bytes go on
+    /// unchanged.
+    async fn requests<R, W>(
+        &self,
+        mut from: R,
+        mut to: W,
+        shared: &Shared,
+        bytes: &Counter,
+        clock: &Activity,
+    ) -> Result<(), ForwardError>
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        let mut side = RequestSide::new(self.limits);
+        let mut buf = vec![0u8; self.buffer_size];
+        loop {
+            let n = from
+                .read(&mut buf)
+                .await
+                .map_err(|source| ForwardError::Io {
+                    side: Side::Client,
+                    source,
+                })?;
+            if n == 0 {
+                let _ = to.shutdown().await;
+                return Ok(());
+            }
+            side.observe(&buf[..n], shared)
+                .map_err(|source| ForwardError::Protocol {
+                    side: Side::Client,
+                    source,
+                })?;
+            to.write_all(&buf[..n])
+                .await
+                .map_err(|source| ForwardError::Io {
+                    side: Side::Backend,
+                    source,
+                })?;
+            bytes.inc_by(n as u64);
+            clock.touch();
+        }
+    }
+
+    /// Backend → client on a rewriting listener: topology replies are rebuilt with the
+    /// latest table's addresses; everything else goes on as it came.
+    async fn replies<R, W>(
+        &self,
+        mut from: R,
+        mut to: W,
+        shared: &Shared,
+        bytes: &Counter,
+        clock: &Activity,
+    ) -> Result<(), ForwardError>
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        let mut side = ReplySide::new(self.limits);
+        let mut buf = vec![0u8; self.buffer_size];
+        let mut segments = Vec::new();
+        let m = &self.metrics.rewrite;
+        loop {
+            let n = from
+                .read(&mut buf)
+                .await
+                .map_err(|source| ForwardError::Io {
+                    side: Side::Backend,
+                    source,
+                })?;
+            if n == 0 {
+                let _ = to.shutdown().await;
+                return Ok(());
+            }
+            let map = self.routes.borrow().addresses.clone();
+            let mut report = Report::default();
+            segments.clear();
+            side.process(&buf[..n], shared, &map, &mut segments, &mut report)
+                .map_err(|source| ForwardError::Protocol {
+                    side: Side::Backend,
+                    source,
+                })?;
+            let mut sent = 0;
+            for seg in &segments {
+                let b = match seg {
+                    Segment::Input(r) => &buf[r.clone()],
+                    Segment::Owned(v) => v.as_slice(),
+                };
+                to.write_all(b).await.map_err(|source| ForwardError::Io {
+                    side: Side::Client,
+                    source,
+                })?;
+                sent += b.len();
+            }
+            if report.rewritten > 0 {
+                for kind in &report.kinds {
+                    m.replies.get_or_create(&RewriteLabels { kind }).inc();
+                }
+            }
+            if !report.unknown.is_empty() {
+                m.unknown_addresses.inc_by(report.unknown.len() as u64);
+                tracing::warn!(unknown = ?report.unknown, "reply names addresses no route knows; forwarded unchanged, refresh requested");
+                self.refresh.notify_one();
+            }
+            bytes.inc_by(sent as u64);
+            clock.touch();
         }
     }
 }

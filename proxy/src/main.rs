@@ -18,14 +18,18 @@ use shardgate_proxy::{Proxy, ProxyConfig, SourceConfig};
 /// flatIndex = shard * portsPerShard + node. The route table comes from a YAML file (--routes), reloaded when it changes, or
 /// is discovered from a seed node with CLUSTER SHARDS (--seed), refreshed periodically.
 ///
-/// For cluster-aware clients to stay on the proxy, each node must announce its listener:
-///   valkey-server ... --cluster-announce-client-ipv4 <proxy ip>
-///                     --cluster-announce-client-port <its listener port>   (Valkey 9)
-/// In that mode give the routes in a file: discovery would find the proxy's own address.
+/// Cluster-aware clients follow the addresses Valkey hands out. Two ways keep them on the
+/// proxy:
+///   --rewrite: the proxy rewrites MOVED/ASK and CLUSTER SLOTS/SHARDS/NODES (and ROLE,
+///     INFO) to its own --advertise-host and ports; the nodes announce nothing special.
+///   announce mode: each node announces its listener (Valkey 9):
+///     valkey-server ... --cluster-announce-client-ipv4 <proxy ip>
+///                       --cluster-announce-client-port <its listener port>
+///     then give the routes in a file: discovery would find the proxy's own address.
 ///
 /// Examples:
+///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000 --rewrite --advertise-host 203.0.113.7
 ///   shardgate-proxy --routes routes.yaml
-///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000
 ///
 /// Route file:
 ///   basePort: 30000
@@ -91,6 +95,26 @@ struct Args {
     /// Bytes buffered per direction per connection.
     #[arg(long, value_name = "BYTES", default_value_t = 16 * 1024)]
     buffer_size: usize,
+
+    /// Rewrite the topology Valkey hands out (MOVED/ASK, CLUSTER SLOTS/SHARDS/NODES/REPLICAS,
+    /// ROLE, INFO replication) so that clients are sent to the proxy's ports. Then the
+    /// nodes need announce nothing; a route file can still turn it off per listener.
+    #[arg(long)]
+    rewrite: bool,
+
+    /// The host (IP or DNS name) external clients reach the proxy at, handed out in
+    /// rewritten replies. Default: --listen-ip, when it is not 0.0.0.0.
+    #[arg(long, value_name = "HOST")]
+    advertise_host: Option<String>,
+
+    /// With --rewrite: leave ROLE and INFO replication as Valkey wrote them.
+    #[arg(long)]
+    no_rewrite_info: bool,
+
+    /// With --rewrite: the largest topology reply held for rewriting; a larger one closes
+    /// the connection.
+    #[arg(long, value_name = "BYTES", default_value_t = 64 << 20)]
+    max_frame: usize,
 
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -159,6 +183,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     config.connect_timeout = args.connect_timeout;
     config.drain_timeout = args.drain_timeout;
     config.buffer_size = args.buffer_size;
+    config.rewrite = args.rewrite;
+    config.advertise_host = args.advertise_host;
+    config.rewrite_info = !args.no_rewrite_info;
+    config.limits.max_frame = args.max_frame;
 
     let proxy = Proxy::start(config)
         .await

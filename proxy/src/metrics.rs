@@ -66,11 +66,26 @@ impl RouteMetrics {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RewriteLabels {
+    /// `moved`, `ask`, `cluster_slots`, ...
+    pub kind: &'static str,
+}
+
+/// Topology rewriting.
+#[derive(Default)]
+pub struct RewriteMetrics {
+    pub replies: Family<RewriteLabels, Counter>,
+    pub unknown_addresses: Counter,
+    pub protocol_errors: Family<ReasonLabels, Counter>,
+}
+
 /// All of the proxy's metrics.
 #[derive(Default)]
 pub struct Metrics {
     pub connections: ConnectionMetrics,
     pub routes: RouteMetrics,
+    pub rewrite: RewriteMetrics,
 }
 
 impl Metrics {
@@ -129,6 +144,22 @@ impl Metrics {
             "listener_errors",
             "Listener ports that could not be bound or failed to accept",
             t.listener_errors.clone(),
+        );
+        let w = &self.rewrite;
+        r.register(
+            "rewritten_replies",
+            "Replies whose topology was rewritten, per kind",
+            w.replies.clone(),
+        );
+        r.register(
+            "rewrite_unknown_addresses",
+            "Addresses in replies that no route knows (forwarded unchanged; a refresh is asked for)",
+            w.unknown_addresses.clone(),
+        );
+        r.register(
+            "protocol_errors",
+            "Connections closed because a stream was not valid RESP or broke a limit, per side",
+            w.protocol_errors.clone(),
         );
         self
     }

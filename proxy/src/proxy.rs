@@ -60,8 +60,18 @@ impl Proxy {
         let mut registry = Registry::default();
         let metrics = Arc::new(Metrics::default().register(&mut registry));
         let (tx, routes) = watch::channel(Arc::new(RouteTable::default()));
-        let publisher =
-            RoutePublisher::new(tx, config.listen_ip, config.admin_addr, metrics.clone());
+        // Rewritten replies hand out this host; the listen IP will do when it is specific.
+        let advertise = config
+            .advertise_host
+            .clone()
+            .or_else(|| (!config.listen_ip.is_unspecified()).then(|| config.listen_ip.to_string()));
+        let publisher = RoutePublisher::new(
+            tx,
+            config.listen_ip,
+            config.admin_addr,
+            advertise,
+            metrics.clone(),
+        );
         let resolver = Resolver::system();
         let stop = CancellationToken::new();
         let hard_stop = CancellationToken::new();
@@ -83,9 +93,9 @@ impl Proxy {
 
         match config.source.clone() {
             SourceConfig::File { path, poll } => {
-                let routes = file::load(&path)?;
+                let routes = file::load(&path, config.rewrite)?;
                 publisher.publish("file", routes)?;
-                let source = FileSource::new(path, poll);
+                let source = FileSource::new(path, poll, config.rewrite);
                 tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
             }
             SourceConfig::Seed {
@@ -101,6 +111,7 @@ impl Proxy {
                     refresh,
                     config.connect_timeout,
                     resolver.clone(),
+                    config.rewrite,
                 );
                 tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
             }
@@ -114,6 +125,10 @@ impl Proxy {
             idle_timeout: config.idle_timeout,
             buffer_size: config.buffer_size.max(512),
             hard_stop: hard_stop.clone(),
+            routes: routes.clone(),
+            rewrite_info: config.rewrite_info,
+            limits: config.limits,
+            refresh: publisher.refresh_requests(),
         });
         let listeners = Arc::new(Listeners {
             listen_ip: config.listen_ip,

@@ -15,7 +15,7 @@ fn deploy(path: &str) -> PathBuf {
 
 #[test]
 fn the_sample_route_file_loads() {
-    let routes = file::load(&deploy("proxy/routes.yaml")).unwrap();
+    let routes = file::load(&deploy("proxy/routes.yaml"), false).unwrap();
     let ports: Vec<u16> = routes.keys().copied().collect();
     assert_eq!(ports, (30000..=30005).collect::<Vec<_>>());
 }
@@ -34,7 +34,7 @@ fn the_sample_manifests_agree_with_their_routes() {
     };
 
     let routes_text = kind("ConfigMap")["data"]["routes.yaml"].as_str().unwrap();
-    let routes = file::parse(Path::new("configmap:routes.yaml"), routes_text).unwrap();
+    let routes = file::parse(Path::new("configmap:routes.yaml"), routes_text, false).unwrap();
     let listener_ports: BTreeSet<u16> = routes.keys().copied().collect();
 
     let service_ports: BTreeSet<u16> = kind("Service")["spec"]["ports"]

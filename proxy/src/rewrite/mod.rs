@@ -27,6 +27,8 @@ use crate::resp::pairing::Expect;
 pub struct Report {
     /// Addresses rewritten.
     pub rewritten: u32,
+    /// The kind of each reply rewritten (`moved`, `ask`, `cluster_slots`, ...).
+    pub kinds: Vec<&'static str>,
     /// Addresses the map did not know (left as they were), as `host:port` or node id.
     pub unknown: Vec<String>,
 }
@@ -47,7 +49,16 @@ pub fn rewrite(
 ) -> bool {
     let before = report.rewritten;
     rewrite_in_place(map, expect, frame, report);
-    report.rewritten > before
+    let changed = report.rewritten > before;
+    if changed {
+        let kind = match frame {
+            Frame::Error(line) if line.starts_with(b"ASK") => "ask",
+            Frame::Error(_) => "moved",
+            _ => expect.label(),
+        };
+        report.kinds.push(kind);
+    }
+    changed
 }
 
 /// Like [`rewrite`], then encodes the frame if it changed.

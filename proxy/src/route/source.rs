@@ -4,7 +4,7 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::{Host, RouteTable, Routes};
@@ -34,6 +34,11 @@ pub enum PublishError {
     Loop { port: u16, backend: String },
     #[error("port {0} is the admin (metrics) port of this proxy")]
     AdminPort(u16),
+    #[error(
+        "port {0} rewrites topology but the proxy has no advertised host \
+         (--advertise-host: the address external clients reach it at)"
+    )]
+    NoAdvertisedHost(u16),
 }
 
 /// Validates tables against the proxy's own sockets, numbers them and swaps them in.
@@ -42,7 +47,10 @@ pub struct RoutePublisher {
     tx: Arc<watch::Sender<Arc<RouteTable>>>,
     listen_ip: IpAddr,
     admin: Option<std::net::SocketAddr>,
+    /// The host external clients dial, for the address map of rewriting listeners.
+    advertise: Option<String>,
     metrics: Arc<Metrics>,
+    refresh: Arc<Notify>,
 }
 
 impl RoutePublisher {
@@ -50,14 +58,23 @@ impl RoutePublisher {
         tx: watch::Sender<Arc<RouteTable>>,
         listen_ip: IpAddr,
         admin: Option<std::net::SocketAddr>,
+        advertise: Option<String>,
         metrics: Arc<Metrics>,
     ) -> Self {
         RoutePublisher {
             tx: Arc::new(tx),
             listen_ip,
             admin,
+            advertise,
             metrics,
+            refresh: Arc::new(Notify::new()),
         }
+    }
+
+    /// Signalled when a rewriter met an address the table does not know; sources that can
+    /// refresh early (seed discovery) wait on it.
+    pub fn refresh_requests(&self) -> Arc<Notify> {
+        self.refresh.clone()
     }
 
     /// The table in force.
@@ -75,10 +92,15 @@ impl RoutePublisher {
                 return false;
             }
             let version = cur.version + 1;
+            let addresses = crate::rewrite::AddressMap::new(
+                self.advertise.as_deref().unwrap_or_default(),
+                &routes,
+            );
             *cur = Arc::new(RouteTable {
                 version,
                 source,
                 routes: routes.clone(),
+                addresses: Arc::new(addresses),
             });
             changed = true;
             true
@@ -116,6 +138,9 @@ impl RoutePublisher {
                 || (self.listen_ip.is_unspecified() && ip.is_loopback())
         };
         for (&port, route) in routes {
+            if route.rewrite && self.advertise.is_none() {
+                return Err(PublishError::NoAdvertisedHost(port));
+            }
             if let Some(admin) = self.admin {
                 if admin.port() == port
                     && (admin.ip() == self.listen_ip

@@ -22,6 +22,8 @@ pub struct Route {
     /// redirects instead of the address).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
+    /// Whether replies on this listener have their topology rewritten.
+    pub rewrite: bool,
 }
 
 /// Listener port → route.
@@ -36,6 +38,9 @@ pub struct RouteTable {
     /// Which source built it (`file`, `seed`).
     pub source: &'static str,
     pub routes: Routes,
+    /// Internal address → external address, for the rewriters.
+    #[serde(skip)]
+    pub addresses: Arc<crate::rewrite::AddressMap>,
 }
 
 /// Every listener and connection reads the latest table from here.

@@ -11,6 +11,8 @@
 //!       - address: valkey-0-1.valkey:6379    # long form
 //!         id: 9be423741f0a3b818f633a9c16a1cf9ef42922d0   # optional Valkey node id
 //!         port: 31000                        # optional: a listener port of its own
+//!         rewrite: false                     # optional: per listener
+//! rewrite: true          # optional: topology rewriting for all (default: --rewrite)
 //! ```
 //!
 //! The file is polled rather than watched with inotify: a Kubernetes ConfigMap volume swaps
@@ -54,6 +56,9 @@ struct RouteFile {
     base_port: u32,
     #[serde(default)]
     ports_per_shard: Option<u32>,
+    /// Rewrite topology on every listener of this file (default: the command line's).
+    #[serde(default)]
+    rewrite: Option<bool>,
     shards: Vec<ShardEntry>,
 }
 
@@ -78,10 +83,13 @@ struct NodeLong {
     id: Option<String>,
     #[serde(default)]
     port: Option<u32>,
+    #[serde(default)]
+    rewrite: Option<bool>,
 }
 
-/// Parses and validates a route file's content.
-pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
+/// Parses and validates a route file's content. `rewrite` is the default for listeners the
+/// file says nothing about.
+pub fn parse(path: &Path, text: &str, rewrite: bool) -> Result<Routes, FileError> {
     let field = |field: String, message: String| FileError::Field {
         path: path.to_path_buf(),
         field,
@@ -130,9 +138,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
         for (n, entry) in shard.nodes.iter().enumerate() {
             let at = format!("shards[{s}].nodes[{n}]");
             let node = NodeRef::new(s as u32, n as u32);
-            let (address, id, port) = match entry {
-                NodeEntry::Short(a) => (a, None, None),
-                NodeEntry::Long(l) => (&l.address, l.id.clone(), l.port),
+            let (address, id, port, node_rewrite) = match entry {
+                NodeEntry::Short(a) => (a, None, None, None),
+                NodeEntry::Long(l) => (&l.address, l.id.clone(), l.port, l.rewrite),
             };
             let backend: Backend =
                 address
@@ -174,6 +182,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
                     backend,
                     node_id: id.map(|i| i.to_ascii_lowercase()),
                     hostname: None,
+                    rewrite: node_rewrite.or(file.rewrite).unwrap_or(rewrite),
                 }),
             );
         }
@@ -182,23 +191,28 @@ pub fn parse(path: &Path, text: &str) -> Result<Routes, FileError> {
 }
 
 /// Reads and parses a route file.
-pub fn load(path: &Path) -> Result<Routes, FileError> {
+pub fn load(path: &Path, rewrite: bool) -> Result<Routes, FileError> {
     let text = std::fs::read_to_string(path).map_err(|source| FileError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    parse(path, &text)
+    parse(path, &text, rewrite)
 }
 
 /// Polls a route file and publishes each valid new version.
 pub struct FileSource {
     path: PathBuf,
     interval: Duration,
+    rewrite: bool,
 }
 
 impl FileSource {
-    pub fn new(path: PathBuf, interval: Duration) -> Self {
-        FileSource { path, interval }
+    pub fn new(path: PathBuf, interval: Duration, rewrite: bool) -> Self {
+        FileSource {
+            path,
+            interval,
+            rewrite,
+        }
     }
 }
 
@@ -220,7 +234,7 @@ impl RouteSource for FileSource {
                             field: "(file)".into(),
                             message: format!("not UTF-8: {e}"),
                         })
-                        .and_then(|text| parse(&self.path, text));
+                        .and_then(|text| parse(&self.path, text, self.rewrite));
                     seen = Some(bytes);
                     match result {
                         Ok(routes) => {
@@ -257,7 +271,7 @@ mod tests {
     use super::*;
 
     fn p(text: &str) -> Result<Routes, String> {
-        parse(Path::new("routes.yaml"), text).map_err(|e| e.to_string())
+        parse(Path::new("routes.yaml"), text, false).map_err(|e| e.to_string())
     }
 
     #[test]

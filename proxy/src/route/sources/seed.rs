@@ -314,6 +314,7 @@ impl Assignment {
 
 /// Discovers the cluster from seed nodes.
 pub struct SeedSource {
+    rewrite: bool,
     seeds: Vec<Backend>,
     base_port: u16,
     ports_per_shard: Option<u32>,
@@ -331,8 +332,10 @@ impl SeedSource {
         interval: Duration,
         timeout: Duration,
         resolver: Resolver,
+        rewrite: bool,
     ) -> Self {
         SeedSource {
+            rewrite,
             seeds,
             base_port,
             ports_per_shard,
@@ -403,6 +406,7 @@ impl SeedSource {
                     backend,
                     node_id: Some(node.id.clone()),
                     hostname: node.hostname.clone(),
+                    rewrite: self.rewrite,
                 }),
             );
         }
@@ -418,6 +422,7 @@ impl RouteSource for SeedSource {
     async fn run(mut self, publisher: RoutePublisher, shutdown: CancellationToken) {
         let name = self.name();
         let mut backoff = Duration::from_millis(250);
+        let refresh = publisher.refresh_requests();
         loop {
             let known = publisher.current().routes.clone();
             let wait = match self.refresh(&known).await {
@@ -440,10 +445,19 @@ impl RouteSource for SeedSource {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
+                // A rewriter met an unknown address: look again now, but not more than
+                // once per MIN_REFRESH, whatever the rate of unknown addresses.
+                _ = refresh.notified() => {
+                    tracing::info!(source = name, "refresh requested: a reply named an unknown node");
+                    tokio::time::sleep(MIN_REFRESH).await;
+                }
             }
         }
     }
 }
+
+/// The shortest time between two refreshes asked for by rewriters.
+const MIN_REFRESH: Duration = Duration::from_millis(500);
 
 #[cfg(test)]
 mod tests {

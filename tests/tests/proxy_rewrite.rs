@@ -1,0 +1,378 @@
+//! The rewriting proxy in front of a real Valkey 9 cluster whose nodes announce their
+//! internal addresses only (no announce flags): redis-cli, redis-benchmark --cluster, the
+//! redis crate's cluster client and redis-py's RedisCluster all work through it, also while
+//! a slot migrates (ASK) and while a primary fails over (MOVED to the new primary).
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::AsyncCommands;
+use shardgate_crds::{NodeRef, PortLayout};
+use shardgate_proxy::route::Backend;
+use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
+use shardgate_tests::addr::free_port_range;
+use shardgate_tests::http::{get, metric};
+use shardgate_tests::tools::{python_with_redis, redis_benchmark, redis_cli};
+use shardgate_tests::valkey::{key_slot, slot_tags, ClusterSpec, ValkeyCluster};
+use tokio::task::block_in_place;
+
+const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+struct Fixture {
+    cluster: Arc<ValkeyCluster>,
+    proxy: ProxyHandle,
+    layout: PortLayout,
+    admin: SocketAddr,
+}
+
+impl Fixture {
+    async fn start() -> Fixture {
+        let cluster =
+            Arc::new(block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 1))).unwrap());
+        let base = free_port_range(LO, 6);
+        let layout = PortLayout::new(u32::from(base), 3, 1, None).unwrap();
+        let mut config = ProxyConfig::new(SourceConfig::Seed {
+            seeds: vec![Backend::ip(cluster.node(NodeRef::new(0, 0)).addr())],
+            base_port: base,
+            ports_per_shard: None,
+            refresh: Duration::from_secs(2),
+        });
+        config.listen_ip = LO.into();
+        config.admin_addr = Some(SocketAddr::from((LO, 0)));
+        config.rewrite = true;
+        config.advertise_host = Some("127.0.0.1".into());
+        config.drain_timeout = Duration::from_millis(200);
+        let proxy = Proxy::start(config).await.unwrap();
+        assert!(proxy.wait_ready(Duration::from_secs(10)).await);
+        let admin = proxy.admin_addr().unwrap();
+        Fixture {
+            cluster,
+            proxy,
+            layout,
+            admin,
+        }
+    }
+
+    fn port(&self, n: NodeRef) -> u16 {
+        self.layout.port(n).unwrap()
+    }
+
+    fn metric(&self, sample: &str) -> f64 {
+        metric(&get(self.admin, "/metrics").unwrap().1, sample).unwrap_or(0.0)
+    }
+
+    /// No reply may hand out a node's own address.
+    fn assert_no_internal_address(&self, text: &str) {
+        for node in self.cluster.nodes() {
+            assert!(
+                !text.contains(&node.ip().to_string()),
+                "internal {} in {text}",
+                node.ip()
+            );
+        }
+    }
+}
+
+fn cli(args: &[&str]) -> String {
+    let out = Command::new(redis_cli().unwrap())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "redis-cli {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cli_and_redis_benchmark_cluster_through_the_rewriting_proxy() {
+    let f = Fixture::start().await;
+    let entry = f.port(NodeRef::new(0, 0)).to_string();
+    let slot = *f.cluster.spec().initial_slots(2u32).start();
+    let key = format!("{}k", slot_tags()[usize::from(slot)]);
+
+    // The nodes hand out their own addresses; the proxy hands out its ports.
+    let moved = cli(&["-h", "127.0.0.1", "-p", &entry, "GET", &key]);
+    assert_eq!(
+        moved,
+        format!("MOVED {slot} 127.0.0.1:{}", f.port(NodeRef::new(2, 0)))
+    );
+    for cmd in [
+        &["CLUSTER", "SLOTS"][..],
+        &["CLUSTER", "SHARDS"],
+        &["CLUSTER", "NODES"],
+        &["ROLE"],
+        &["INFO", "replication"],
+    ] {
+        let mut args = vec!["-h", "127.0.0.1", "-p", &entry];
+        args.extend_from_slice(cmd);
+        let text = cli(&args);
+        f.assert_no_internal_address(&text);
+        assert!(
+            cmd[0] == "ROLE" || cmd[0] == "INFO" || text.contains("127.0.0.1"),
+            "{cmd:?}: {text}"
+        );
+    }
+    // And with RESP3.
+    let text = cli(&["-3", "-h", "127.0.0.1", "-p", &entry, "CLUSTER", "SHARDS"]);
+    f.assert_no_internal_address(&text);
+
+    assert_eq!(
+        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "SET", &key, "v"]),
+        "OK"
+    );
+    assert_eq!(
+        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]),
+        "v"
+    );
+
+    // redis-benchmark --cluster learns the primaries from CLUSTER NODES.
+    let out = block_in_place(|| {
+        Command::new(redis_benchmark().unwrap())
+            .args([
+                "--cluster",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &entry,
+                "-n",
+                "30000",
+                "-c",
+                "10",
+                "-t",
+                "set,get",
+                "-r",
+                "100000",
+                "-q",
+            ])
+            .output()
+            .unwrap()
+    });
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("SET:") && text.contains("GET:"), "{text}");
+    assert!(!text.to_lowercase().contains("error"), "{text}");
+    for s in 0..3 {
+        let port = f.port(NodeRef::new(s, 0));
+        let sent = f.metric(&format!(
+            "shardgate_proxy_bytes_total{{port=\"{port}\",direction=\"to_backend\"}}"
+        ));
+        assert!(
+            sent > 100_000.0,
+            "redis-benchmark sent only {sent} bytes to shard {s} through {port}"
+        );
+    }
+    assert!(f.metric("shardgate_proxy_rewritten_replies_total{kind=\"cluster_nodes\"}") >= 1.0);
+    assert_eq!(
+        f.metric("shardgate_proxy_rewrite_unknown_addresses_total"),
+        0.0
+    );
+    f.proxy.shutdown().await;
+}
+
+async fn client(entry: u16) -> redis::cluster_async::ClusterConnection {
+    redis::cluster::ClusterClientBuilder::new(vec![format!("redis://127.0.0.1:{entry}")])
+        .retries(30)
+        .connection_timeout(Duration::from_secs(2))
+        .response_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap()
+}
+
+fn spread_keys(n: usize, prefix: &str) -> Vec<String> {
+    let tags = slot_tags();
+    (0..n)
+        .map(|i| format!("{}{prefix}:{i}", tags[i * 16384 / n]))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_cluster_client_does_10000_cross_shard_set_get() {
+    let f = Fixture::start().await;
+    let conn = client(f.port(NodeRef::new(1, 0))).await;
+    let keys = spread_keys(10_000, "rust");
+    let mut tasks = vec![];
+    for chunk in keys.chunks(500) {
+        let (chunk, mut c) = (chunk.to_vec(), conn.clone());
+        tasks.push(tokio::spawn(async move {
+            for k in &chunk {
+                let _: () = c.set(k, format!("v-{k}")).await.unwrap();
+            }
+            for k in &chunk {
+                assert_eq!(c.get::<_, String>(k).await.unwrap(), format!("v-{k}"));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    for k in keys.iter().step_by(101) {
+        let owner = block_in_place(|| f.cluster.slot_owner(key_slot(k.as_bytes()))).unwrap();
+        assert_eq!(
+            f.cluster.node(owner).query::<String>(&["GET", k]).unwrap(),
+            format!("v-{k}")
+        );
+    }
+    assert!(f.metric("shardgate_proxy_rewritten_replies_total{kind=\"cluster_slots\"}") >= 1.0);
+    f.proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_py_cluster_client_does_10000_cross_shard_set_get() {
+    let f = Fixture::start().await;
+    let script = r#"
+import sys
+from redis.cluster import RedisCluster
+rc = RedisCluster(host="127.0.0.1", port=int(sys.argv[1]), socket_timeout=5)
+nodes = sorted(f"{n.host}:{n.port}" for n in rc.get_nodes())
+print("nodes", " ".join(nodes))
+keys = [f"py:{{{i % 997}}}:{i}" for i in range(10000)]
+for k in keys:
+    assert rc.set(k, k[::-1])
+bad = [k for k in keys if rc.get(k) != k[::-1].encode()]
+print("ok", len(keys) - len(bad))
+sys.exit(1 if bad else 0)
+"#;
+    let entry = f.port(NodeRef::new(2, 1)).to_string();
+    let out = block_in_place(|| {
+        Command::new(python_with_redis().unwrap())
+            .args(["-c", script, &entry])
+            .output()
+            .unwrap()
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ok 10000"), "{stdout}");
+    // redis-py knows exactly the proxy's six ports.
+    let mut want: Vec<String> = f
+        .cluster
+        .nodes()
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", f.port(n.pos)))
+        .collect();
+    want.sort();
+    let nodes_line = stdout.lines().find(|l| l.starts_with("nodes ")).unwrap();
+    assert_eq!(nodes_line, format!("nodes {}", want.join(" ")));
+    f.proxy.shutdown().await;
+}
+
+/// Writes rounds of values to `keys` until stopped; returns the last acknowledged value of each.
+async fn writer(
+    mut conn: redis::cluster_async::ClusterConnection,
+    keys: Vec<String>,
+    stop: Arc<AtomicBool>,
+) -> BTreeMap<String, u64> {
+    let mut acked = BTreeMap::new();
+    let mut round = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        round += 1;
+        for k in &keys {
+            if conn.set::<_, _, ()>(k, round).await.is_ok() {
+                acked.insert(k.clone(), round);
+            } else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    acked
+}
+
+async fn assert_nothing_lost(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    acked: &BTreeMap<String, u64>,
+) {
+    let mut lost = vec![];
+    for (k, v) in acked {
+        let got: Option<u64> = conn.get(k).await.unwrap();
+        if got.unwrap_or(0) < *v {
+            lost.push((k.clone(), *v, got));
+        }
+    }
+    assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_migration_and_failover_during_traffic_lose_no_acknowledged_write() {
+    let f = Fixture::start().await;
+    let conn = client(f.port(NodeRef::new(0, 0))).await;
+    // Keys in one slot of shard 0, which moves to shard 1 while they are written.
+    let slot = *f.cluster.spec().initial_slots(0u32).start() + 17;
+    let tag = &slot_tags()[usize::from(slot)];
+    let hot: Vec<String> = (0..200).map(|i| format!("{tag}:hot:{i}")).collect();
+    let spread = spread_keys(300, "spread");
+    let stop = Arc::new(AtomicBool::new(false));
+    let w1 = tokio::spawn(writer(conn.clone(), hot.clone(), stop.clone()));
+    let w2 = tokio::spawn(writer(conn.clone(), spread.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // ASK: the slot migrates key by key under traffic.
+    let cluster = f.cluster.clone();
+    let hot_keys = hot.clone();
+    tokio::task::spawn_blocking(move || {
+        let m = cluster.begin_slot_migration(slot, 1u32)?;
+        for chunk in hot_keys.chunks(20) {
+            let keys: Vec<&[u8]> = chunk.iter().map(|k| k.as_bytes()).collect();
+            cluster.migrate_keys(&m, &keys)?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster.finish_slot_migration(&m)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        block_in_place(|| f.cluster.slot_owner(slot))
+            .unwrap()
+            .shard
+            .0,
+        1
+    );
+
+    // MOVED to the new primary: shard 2's replica takes over, gracefully.
+    let cluster = f.cluster.clone();
+    tokio::task::spawn_blocking(move || cluster.failover(NodeRef::new(2, 1)))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+
+    stop.store(true, Ordering::Relaxed);
+    let (hot_acked, spread_acked) = (w1.await.unwrap(), w2.await.unwrap());
+    assert_eq!(hot_acked.len(), hot.len());
+    assert_eq!(spread_acked.len(), spread.len());
+    let mut check = client(f.port(NodeRef::new(1, 1))).await;
+    assert_nothing_lost(&mut check, &hot_acked).await;
+    assert_nothing_lost(&mut check, &spread_acked).await;
+
+    assert!(
+        f.metric("shardgate_proxy_rewritten_replies_total{kind=\"ask\"}") >= 1.0,
+        "no ASK went through the proxy"
+    );
+    assert!(
+        f.metric("shardgate_proxy_rewritten_replies_total{kind=\"moved\"}") >= 1.0,
+        "no MOVED went through the proxy"
+    );
+    assert_eq!(
+        f.metric("shardgate_proxy_rewrite_unknown_addresses_total"),
+        0.0
+    );
+    f.proxy.shutdown().await;
+}
