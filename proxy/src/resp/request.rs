@@ -71,6 +71,8 @@ pub struct RequestScanner {
     /// Arguments still to come, and the index of the current one.
     args_left: u64,
     index: u64,
+    /// After an error the stream cannot be followed any more: every later call fails too.
+    failed: Option<RespError>,
 }
 
 impl Default for RequestScanner {
@@ -88,11 +90,23 @@ impl RequestScanner {
             cmd: Command::default(),
             args_left: 0,
             index: 0,
+            failed: None,
         }
     }
 
     /// Consumes `buf`, calling `on_command` for every command that completes in it.
-    pub fn feed(
+    pub fn feed(&mut self, buf: &[u8], on_command: impl FnMut(&Command)) -> Result<(), RespError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let r = self.feed_inner(buf, on_command);
+        if let Err(e) = &r {
+            self.failed = Some(e.clone());
+        }
+        r
+    }
+
+    fn feed_inner(
         &mut self,
         buf: &[u8],
         mut on_command: impl FnMut(&Command),
@@ -186,11 +200,15 @@ impl RequestScanner {
         match self.state {
             State::Count => {
                 // `*0` and `*-1` are skipped by Valkey without a reply.
-                if line == b"-1" || line == b"0" {
+                if line == b"-1" {
                     self.state = State::Start;
                     return Ok(());
                 }
                 let n = number(line)?;
+                if n == 0 {
+                    self.state = State::Start;
+                    return Ok(());
+                }
                 self.cmd.argc = n;
                 self.args_left = n;
                 self.index = 0;
@@ -260,6 +278,20 @@ mod tests {
             Err(RespError::Terminator)
         );
         assert!(commands(b"*1\r\n+PING\r\n", &[]).is_err());
+        // Found by the fuzzer: a zero count spelled `00` is an empty command, not a panic.
+        assert_eq!(
+            commands(b"*00\r\n$1\r\nx\r\n", &[]),
+            Err(RespError::Type(b'$'))
+        );
+    }
+
+    #[test]
+    fn after_an_error_every_call_fails() {
+        let mut s = RequestScanner::default();
+        assert!(s.feed(b"*x\r\n", |_| {}).is_err());
+        assert!(s
+            .feed(b"PING\r\n", |_| panic!("a command after an error"))
+            .is_err());
     }
 
     proptest! {

@@ -73,6 +73,8 @@ pub struct Scanner {
     max_line: usize,
     /// Whether some bytes of a top-level frame have been seen.
     in_frame: bool,
+    /// After an error the stream cannot be followed any more: every later call fails too.
+    failed: Option<RespError>,
 }
 
 impl Default for Scanner {
@@ -89,6 +91,7 @@ impl Scanner {
             line: Vec::new(),
             max_line,
             in_frame: false,
+            failed: None,
         }
     }
 
@@ -100,6 +103,17 @@ impl Scanner {
     /// Scans `buf[from..]`, continuing the frame in progress, and stops at the end of the
     /// first top-level frame that completes.
     pub fn scan(&mut self, buf: &[u8], from: usize) -> Result<Scan, RespError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let r = self.scan_inner(buf, from);
+        if let Err(e) = &r {
+            self.failed = Some(e.clone());
+        }
+        r
+    }
+
+    fn scan_inner(&mut self, buf: &[u8], from: usize) -> Result<Scan, RespError> {
         let mut i = from;
         while i < buf.len() {
             match self.state {

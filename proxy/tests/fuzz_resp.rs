@@ -1,0 +1,329 @@
+//! A time-bounded mutation fuzzer for the RESP scanner, the frame parser, the request
+//! scanner and the rewriting reply pipeline, on stable Rust (cargo-fuzz needs nightly).
+//!
+//! Seeds are the replies captured from real Valkey 9 (testdata/) and typical requests; each
+//! round mutates them (bit flips, random bytes, insertions, deletions, splices, rewritten
+//! length fields, truncation) and feeds them whole and split into random reads. Nothing may
+//! panic, split and whole input must agree, and whatever the pipeline emits for complete
+//! frames must itself be valid RESP with the same number of frames.
+//!
+//! `SHARDGATE_FUZZ_SECONDS` sets the run time (default 10), `SHARDGATE_FUZZ_SEED` replays a
+//! run; a failure prints both and the input.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use shardgate_crds::NodeRef;
+use shardgate_proxy::resp::frame::parse;
+use shardgate_proxy::resp::request::RequestScanner;
+use shardgate_proxy::resp::{Scan, Scanner};
+use shardgate_proxy::rewrite::stream::{flatten, Limits, ReplySide, RequestSide, Shared};
+use shardgate_proxy::rewrite::{AddressMap, Report};
+use shardgate_proxy::route::{Route, Routes};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn seeds() -> Vec<Vec<u8>> {
+    let text = include_str!("../testdata/valkey-9.1.2-captures.tsv");
+    let mut out: Vec<Vec<u8>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split('\t').nth(4))
+        .map(|r| {
+            r.replace("\\r", "\r")
+                .replace("\\n", "\n")
+                .replace("\\\\", "\\")
+                .into_bytes()
+        })
+        .collect();
+    out.push(
+        b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\nPING\r\n*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n"
+            .to_vec(),
+    );
+    out.push(b"|1\r\n+a\r\n+b\r\n>2\r\n+x\r\n~1\r\n#t\r\n".to_vec());
+    out
+}
+
+const COMMANDS: &[&str] = &[
+    "CLUSTER SLOTS",
+    "CLUSTER SHARDS",
+    "CLUSTER NODES",
+    "CLUSTER REPLICAS x",
+    "ROLE",
+    "INFO",
+    "GET foo",
+    "SUBSCRIBE a",
+    "SSUBSCRIBE foo",
+    "MULTI",
+    "EXEC",
+    "MONITOR",
+    "RESET",
+    "CLIENT REPLY SKIP",
+    "HELLO 3",
+];
+
+fn mutate(rng: &mut Rng, input: &mut Vec<u8>, all: &[Vec<u8>]) {
+    for _ in 0..1 + rng.below(8) {
+        let len = input.len();
+        match rng.below(9) {
+            0 if len > 0 => {
+                let i = rng.below(len);
+                input[i] ^= 1 << rng.below(8);
+            }
+            1 if len > 0 => {
+                let i = rng.below(len);
+                input[i] = rng.next() as u8;
+            }
+            2 => {
+                let i = rng.below(len + 1);
+                let n = 1 + rng.below(8);
+                let bytes: Vec<u8> = (0..n)
+                    .map(|_| {
+                        *b"\r\n$*:-+%>|_0123456789?"
+                            .get(rng.below(22))
+                            .unwrap_or(&b'x')
+                    })
+                    .collect();
+                input.splice(i..i, bytes);
+            }
+            3 if len > 0 => {
+                let i = rng.below(len);
+                let j = (i + 1 + rng.below(16)).min(len);
+                input.drain(i..j);
+            }
+            4 => {
+                let other = &all[rng.below(all.len())];
+                let i = rng.below(len + 1);
+                let a = rng.below(other.len() + 1);
+                let b = (a + rng.below(64)).min(other.len());
+                input.splice(i..i, other[a..b].iter().copied());
+            }
+            5 => {
+                // A length or count field gets another number.
+                if let Some(pos) = (0..len)
+                    .filter(|&i| matches!(input[i], b'$' | b'*' | b'%' | b'='))
+                    .nth(rng.below(8))
+                {
+                    let end = input[pos + 1..]
+                        .iter()
+                        .position(|b| *b == b'\r')
+                        .map_or(len, |e| pos + 1 + e);
+                    let n = [
+                        "-1",
+                        "0",
+                        "1",
+                        "99999999",
+                        "18446744073709551615",
+                        "-2",
+                        "?",
+                        "",
+                    ][rng.below(8)];
+                    input.splice(pos + 1..end, n.bytes());
+                }
+            }
+            6 if len > 0 => input.truncate(rng.below(len)),
+            7 if len > 0 => {
+                let i = rng.below(len);
+                let j = (i + rng.below(32)).min(len);
+                let copy = input[i..j].to_vec();
+                input.splice(j..j, copy);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn routes() -> Routes {
+    (1..=6u32)
+        .map(|n| {
+            let route = Route {
+                node: NodeRef::new((n - 1) / 2, (n - 1) % 2),
+                backend: format!("127.0.10.{n}:6379").parse().unwrap(),
+                node_id: None,
+                hostname: Some(format!("node-{n}.example.test")),
+                rewrite: true,
+            };
+            (30000 + n as u16, Arc::new(route))
+        })
+        .collect()
+}
+
+/// Complete frames at the start of `bytes` (stops at the first error or the incomplete tail).
+fn complete_frames(bytes: &[u8]) -> (usize, bool) {
+    let mut s = Scanner::default();
+    let (mut i, mut n) = (0, 0);
+    while i < bytes.len() {
+        match s.scan(bytes, i) {
+            Ok(Scan::Complete { end }) => {
+                n += 1;
+                i = end;
+            }
+            Ok(Scan::Incomplete) => return (n, true),
+            Err(_) => return (n, false),
+        }
+    }
+    (n, true)
+}
+
+fn cuts(rng: &mut Rng, len: usize) -> Vec<usize> {
+    let mut c: Vec<usize> = (0..rng.below(6)).map(|_| rng.below(len + 1)).collect();
+    c.push(len);
+    c.sort_unstable();
+    c
+}
+
+fn run_pipeline(
+    map: &AddressMap,
+    commands: &[&str],
+    reply: &[u8],
+    cuts: &[usize],
+) -> Result<Vec<u8>, String> {
+    let shared = Shared::new(true);
+    let mut req = RequestSide::new(Limits::default());
+    for c in commands {
+        let _ = req.observe(format!("{c}\r\n").as_bytes(), &shared);
+    }
+    let mut side = ReplySide::new(Limits {
+        max_frame: 1 << 20,
+        max_line: 4096,
+    });
+    let (mut out, mut start) = (vec![], 0);
+    for &b in cuts {
+        let piece = &reply[start..b];
+        let mut segs = vec![];
+        side.process(piece, &shared, map, &mut segs, &mut Report::default())
+            .map_err(|e| e.to_string())?;
+        out.extend(flatten(piece, &segs));
+        start = b;
+    }
+    Ok(out)
+}
+
+fn one_case(rng: &mut Rng, all: &[Vec<u8>], map: &AddressMap) -> Result<(), String> {
+    let mut input = all[rng.below(all.len())].clone();
+    if rng.below(4) == 0 {
+        input.extend_from_slice(&all[rng.below(all.len())]);
+    }
+    mutate(rng, &mut input, all);
+    let show = || String::from_utf8_lossy(&input).escape_debug().to_string();
+
+    // Scanner: whole vs split.
+    let whole = complete_frames(&input);
+    let c = cuts(rng, input.len());
+    let mut s = Scanner::default();
+    let (mut start, mut n, mut ok) = (0, 0, true);
+    'outer: for &b in &c {
+        let piece = &input[start..b];
+        let mut i = 0;
+        while i < piece.len() {
+            match s.scan(piece, i) {
+                Ok(Scan::Complete { end }) => {
+                    n += 1;
+                    i = end;
+                }
+                Ok(Scan::Incomplete) => break,
+                Err(_) => {
+                    ok = false;
+                    break 'outer;
+                }
+            }
+        }
+        start = b;
+    }
+    if (n, ok) != whole {
+        return Err(format!(
+            "scanner split {c:?} gives {:?}, whole {whole:?}: {}",
+            (n, ok),
+            show()
+        ));
+    }
+
+    // Frame parser and request scanner: no panic is the property.
+    let _ = parse(&input);
+    let mut rs = RequestScanner::new(4096);
+    let _ = rs.feed(&input, |_| {});
+
+    // The reply pipeline, whole and split, after a few random commands.
+    let cmds: Vec<&str> = (0..1 + rng.below(3))
+        .map(|_| COMMANDS[rng.below(COMMANDS.len())])
+        .collect();
+    let a = run_pipeline(map, &cmds, &input, &[input.len()]);
+    let b = run_pipeline(map, &cmds, &input, &c);
+    match (&a, &b) {
+        (Ok(x), Ok(y)) if x != y => {
+            return Err(format!(
+                "pipeline whole/split differ for {cmds:?} {c:?}: {}",
+                show()
+            ))
+        }
+        (Ok(_), Err(_)) | (Err(_), Ok(_)) => {
+            return Err(format!("pipeline whole {a:?} vs split {b:?}: {}", show()))
+        }
+        _ => {}
+    }
+    if let (Ok(out), (frames_in, true)) = (&a, whole) {
+        let (frames_out, valid) = complete_frames(out);
+        if !valid || frames_out != frames_in {
+            return Err(format!(
+                "pipeline output has {frames_out} frames (valid: {valid}), input {frames_in}, for {cmds:?}: {}",
+                show()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fuzz_scanner_parser_and_rewriter() {
+    let seconds: u64 = std::env::var("SHARDGATE_FUZZ_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let seed: u64 = std::env::var("SHARDGATE_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+                | 1
+        });
+    let all = seeds();
+    let map = AddressMap::new("203.0.113.7", &routes());
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut rng = Rng(seed);
+    let mut rounds = 0u64;
+    while Instant::now() < deadline {
+        let round_seed = rng.next() | 1;
+        let mut case = Rng(round_seed);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            one_case(&mut case, &all, &map)
+        }));
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                panic!("fuzz failure (SHARDGATE_FUZZ_SEED={seed}, round seed {round_seed}): {e}")
+            }
+            Err(_) => panic!(
+                "fuzz panic (SHARDGATE_FUZZ_SEED={seed}, round seed {round_seed}); rerun with it"
+            ),
+        }
+        rounds += 1;
+    }
+    eprintln!("fuzz: {rounds} rounds in {seconds}s, seed {seed}");
+    assert!(rounds > 100, "only {rounds} rounds ran");
+}
