@@ -31,6 +31,10 @@ struct Fixture {
 
 impl Fixture {
     async fn start() -> Fixture {
+        Fixture::start_with(|_| {}).await
+    }
+
+    async fn start_with(tune: impl FnOnce(&mut ProxyConfig)) -> Fixture {
         let cluster =
             Arc::new(block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 1))).unwrap());
         let base = free_port_range(LO, 6);
@@ -46,6 +50,7 @@ impl Fixture {
         config.rewrite = true;
         config.advertise_host = Some("127.0.0.1".into());
         config.drain_timeout = Duration::from_millis(200);
+        tune(&mut config);
         let proxy = Proxy::start(config).await.unwrap();
         assert!(proxy.wait_ready(Duration::from_secs(10)).await);
         let admin = proxy.admin_addr().unwrap();
@@ -373,6 +378,93 @@ async fn slot_migration_and_failover_during_traffic_lose_no_acknowledged_write()
     assert_eq!(
         f.metric("shardgate_proxy_rewrite_unknown_addresses_total"),
         0.0
+    );
+    f.proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_address_is_forwarded_whole_counted_and_triggers_a_refresh() {
+    // Discovery every minute only: what follows must come from the refresh on demand.
+    let f = Fixture::start_with(|c| {
+        if let SourceConfig::Seed { refresh, .. } = &mut c.source {
+            *refresh = Duration::from_secs(60);
+        }
+    })
+    .await;
+    let primary = f.port(NodeRef::new(1, 0)).to_string();
+    // Shard 1's replica is rescheduled at a new address the proxy has not seen.
+    let moved = NodeRef::new(1, 1);
+    block_in_place(|| {
+        f.cluster
+            .restart(moved, shardgate_tests::valkey::Restart::NewAddress)
+    })
+    .unwrap();
+    let new_ip = f.cluster.node(moved).ip().to_string();
+    // The primary names its replica in INFO replication; wait until it does at the new address.
+    let direct = f.cluster.node(NodeRef::new(1, 0)).addr();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !cli(&["-h", &direct.ip().to_string(), "INFO", "replication"]).contains(&new_ip) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the primary never saw its replica's new address"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let version = f.proxy.routes().borrow().version;
+
+    let first = cli(&["-h", "127.0.0.1", "-p", &primary, "INFO", "replication"]);
+    let line = first
+        .lines()
+        .find(|l| l.starts_with("slave0:"))
+        .unwrap()
+        .to_string();
+    assert!(
+        line.contains(&format!("ip={new_ip},port=6379")),
+        "not forwarded whole: {line}"
+    );
+    assert!(f.metric("shardgate_proxy_rewrite_unknown_addresses_total") >= 1.0);
+
+    let mut rx = f.proxy.routes();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        rx.wait_for(|t| t.version > version),
+    )
+    .await
+    .expect("no refresh after an unknown address")
+    .unwrap();
+    let second = cli(&["-h", "127.0.0.1", "-p", &primary, "INFO", "replication"]);
+    let line = second
+        .lines()
+        .find(|l| l.starts_with("slave0:"))
+        .unwrap()
+        .to_string();
+    assert!(
+        line.contains(&format!("ip=127.0.0.1,port={}", f.port(moved))),
+        "{line}"
+    );
+    f.proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topology_reply_past_the_frame_limit_closes_the_connection_with_an_error() {
+    let f = Fixture::start_with(|c| c.limits.max_frame = 256).await;
+    let entry = f.port(NodeRef::new(0, 0)).to_string();
+    // A small reply still passes; CLUSTER NODES for six nodes is about 700 bytes.
+    assert_eq!(cli(&["-h", "127.0.0.1", "-p", &entry, "PING"]), "PONG");
+    let out = Command::new(redis_cli().unwrap())
+        .args(["-h", "127.0.0.1", "-p", &entry, "CLUSTER", "NODES"])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    f.assert_no_internal_address(&text);
+    assert!(
+        !text.contains("connected"),
+        "the oversized reply went through: {text}"
+    );
+    assert_eq!(
+        f.metric("shardgate_proxy_protocol_errors_total{reason=\"backend\"}"),
+        1.0
     );
     f.proxy.shutdown().await;
 }

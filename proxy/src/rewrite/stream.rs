@@ -127,6 +127,10 @@ impl ReplySide {
                         }
                         Some(mut buf) => {
                             let whole: &[u8] = if buf.is_empty() {
+                                // The limit holds for a frame that arrived in one read too.
+                                if end - start > self.limits.max_frame {
+                                    return Err(RespError::FrameTooLarge(self.limits.max_frame));
+                                }
                                 &input[start..end]
                             } else {
                                 self.grow(&mut buf, &input[start..end])?;
