@@ -468,3 +468,187 @@ async fn a_topology_reply_past_the_frame_limit_closes_the_connection_with_an_err
     );
     f.proxy.shutdown().await;
 }
+
+/// One command over a fresh connection (after `HELLO 3` if `resp3`); the reply's raw bytes.
+fn raw(addr: SocketAddr, resp3: bool, args: &[&str]) -> Vec<u8> {
+    use shardgate_proxy::resp::{Scan, Scanner};
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let encode = |args: &[&str]| {
+        let mut out = format!("*{}\r\n", args.len()).into_bytes();
+        for a in args {
+            out.extend_from_slice(format!("${}\r\n{a}\r\n", a.len()).as_bytes());
+        }
+        out
+    };
+    let mut frames = vec![];
+    if resp3 {
+        s.write_all(&encode(&["HELLO", "3"])).unwrap();
+    }
+    s.write_all(&encode(args)).unwrap();
+    // `frame` is where the frame in progress starts; `pos` where the scanner resumes.
+    let (mut buf, mut scanner, mut frame, mut pos) = (vec![], Scanner::default(), 0, 0);
+    let mut chunk = [0u8; 16384];
+    while frames.len() < 1 + usize::from(resp3) {
+        let n = s.read(&mut chunk).unwrap();
+        assert!(n > 0, "closed before the reply");
+        buf.extend_from_slice(&chunk[..n]);
+        while pos < buf.len() {
+            match scanner.scan(&buf, pos).unwrap() {
+                Scan::Complete { end } => {
+                    frames.push(buf[frame..end].to_vec());
+                    (frame, pos) = (end, end);
+                }
+                Scan::Incomplete => pos = buf.len(),
+            }
+        }
+    }
+    frames.pop().unwrap()
+}
+
+/// Volatile fields out (ping/pong times, replication offsets), order made canonical.
+fn normalize(cmd: &str, reply: &[u8]) -> String {
+    use shardgate_proxy::resp::frame::{encode, parse, Frame};
+    let text = String::from_utf8_lossy(reply).to_string();
+    match cmd {
+        "NODES" => {
+            let body = text.split_once("\r\n").unwrap().1;
+            let body = body.strip_prefix("txt:").unwrap_or(body);
+            let mut lines: Vec<String> = body
+                .trim_end_matches("\r\n")
+                .lines()
+                .map(|l| {
+                    let mut f: Vec<&str> = l.split(' ').collect();
+                    if f.len() > 5 {
+                        f[4] = "0";
+                        f[5] = "0";
+                    }
+                    f.join(" ")
+                })
+                .collect();
+            lines.sort();
+            lines.join("\n")
+        }
+        "SHARDS" => {
+            let (mut f, _) = parse(reply).unwrap();
+            fn zero_offsets(f: &mut Frame<'_>) {
+                match f {
+                    Frame::Array(_, items) => {
+                        for i in 0..items.len() {
+                            if i + 1 < items.len()
+                                && items[i].as_bytes() == Some(b"replication-offset")
+                            {
+                                items[i + 1] = Frame::Int(b"0"[..].into());
+                            }
+                            zero_offsets(&mut items[i]);
+                        }
+                    }
+                    Frame::Map(pairs) => {
+                        for (k, v) in pairs.iter_mut() {
+                            if k.as_bytes() == Some(b"replication-offset") {
+                                *v = Frame::Int(b"0"[..].into());
+                            }
+                            zero_offsets(v);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            zero_offsets(&mut f);
+            let Frame::Array(_, shards) = f else {
+                panic!("not an array")
+            };
+            let mut each: Vec<String> = shards
+                .iter()
+                .map(|s| {
+                    let mut out = vec![];
+                    encode(s, &mut out);
+                    String::from_utf8_lossy(&out).into_owned()
+                })
+                .collect();
+            each.sort();
+            each.join("")
+        }
+        _ => text,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewritten_replies_equal_what_valkey_itself_announces() {
+    // Ground truth: the same cluster, asked to announce the proxy's addresses itself
+    // (cluster-announce-client-ipv4 + cluster-announce-client-port), must say exactly what
+    // the rewriting proxy said on its behalf.
+    let f = Fixture::start().await;
+    let entry = SocketAddr::from((LO, f.port(NodeRef::new(0, 0))));
+    let direct = f.cluster.node(NodeRef::new(0, 0)).addr();
+    let cases = [
+        ("SLOTS", false),
+        ("SLOTS", true),
+        ("SHARDS", false),
+        ("SHARDS", true),
+        ("NODES", false),
+        ("NODES", true),
+    ];
+    let rewritten: Vec<String> = block_in_place(|| {
+        cases
+            .iter()
+            .map(|(c, r3)| normalize(c, &raw(entry, *r3, &["CLUSTER", c])))
+            .collect()
+    });
+    // Without rewriting, the same node says something else: its internal addresses.
+    for ((c, r3), r) in cases.iter().zip(&rewritten) {
+        let plain = block_in_place(|| normalize(c, &raw(direct, *r3, &["CLUSTER", c])));
+        assert_ne!(&plain, r, "CLUSTER {c}: the proxy changed nothing");
+        assert!(
+            r.contains("127.0.0.1") && plain.contains(&direct.ip().to_string()),
+            "{r}\n{plain}"
+        );
+    }
+    let Fixture {
+        cluster,
+        proxy,
+        layout,
+        ..
+    } = f;
+    proxy.shutdown().await;
+
+    block_in_place(|| {
+        for node in cluster.nodes() {
+            let port = layout.port(node.pos).unwrap().to_string();
+            cluster
+                .config_set(node.pos, "cluster-announce-client-ipv4", "127.0.0.1")
+                .unwrap();
+            cluster
+                .config_set(node.pos, "cluster-announce-client-port", &port)
+                .unwrap();
+        }
+        // Announcements take a few seconds to reach every node.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let slots =
+                String::from_utf8_lossy(&raw(direct, false, &["CLUSTER", "NODES"])).to_string();
+            if cluster
+                .nodes()
+                .iter()
+                .all(|n| !slots.contains(&format!("{}:", n.ip())))
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "announcements never spread: {slots}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        for ((c, r3), want) in cases.iter().zip(&rewritten) {
+            let truth = normalize(c, &raw(direct, *r3, &["CLUSTER", c]));
+            assert_eq!(
+                &truth,
+                want,
+                "CLUSTER {c} (RESP{}) differs from Valkey's own",
+                if *r3 { 3 } else { 2 }
+            );
+        }
+    });
+}
