@@ -8,8 +8,10 @@
 //!   kube-controller-manager) and a node agent that runs pods as local processes.
 
 pub mod addr;
+pub mod clients;
 pub mod http;
 pub mod kube;
+pub mod procs;
 pub mod proxy_process;
 pub mod routes;
 pub mod tools;

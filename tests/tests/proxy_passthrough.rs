@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,12 +13,10 @@ use redis::AsyncCommands;
 use shardgate_crds::{NodeRef, PortLayout};
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use shardgate_tests::addr::free_port_range;
+use shardgate_tests::clients::{cli, cluster_client, spread_keys};
 use shardgate_tests::http::{get, metric};
 use shardgate_tests::routes::{announce_proxy, routes_yaml};
-use shardgate_tests::tools::redis_cli;
-use shardgate_tests::valkey::{
-    hash_tag_for_slot, key_slot, slot_tags, ClusterSpec, Restart, ValkeyCluster,
-};
+use shardgate_tests::valkey::{hash_tag_for_slot, key_slot, ClusterSpec, Restart, ValkeyCluster};
 use tokio::task::block_in_place;
 
 const PROXY_IP: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -80,19 +77,6 @@ impl Fixture {
     }
 }
 
-fn redis_cli_run(args: &[&str]) -> String {
-    let out = Command::new(redis_cli().unwrap())
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "redis-cli {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cli_follows_a_cross_shard_moved_back_through_the_proxy() {
     let f = Fixture::start(3, 1).await;
@@ -102,12 +86,12 @@ async fn redis_cli_follows_a_cross_shard_moved_back_through_the_proxy() {
     let key = format!("{}k", hash_tag_for_slot(slot));
     let owner_port = f.port(NodeRef::new(2, 0));
 
-    let moved = redis_cli_run(&["-h", "127.0.0.1", "-p", &entry, "GET", &key]);
+    let moved = cli(&["-h", "127.0.0.1", "-p", &entry, "GET", &key]).unwrap();
     assert_eq!(moved, format!("MOVED {slot} 127.0.0.1:{owner_port}"));
 
     let before = f.accepted(owner_port);
     assert_eq!(
-        redis_cli_run(&[
+        cli(&[
             "-c",
             "-h",
             "127.0.0.1",
@@ -116,11 +100,12 @@ async fn redis_cli_follows_a_cross_shard_moved_back_through_the_proxy() {
             "SET",
             &key,
             "through-the-proxy"
-        ]),
+        ])
+        .unwrap(),
         "OK"
     );
     assert_eq!(
-        redis_cli_run(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]),
+        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]).unwrap(),
         "through-the-proxy"
     );
     assert!(
@@ -137,30 +122,10 @@ async fn redis_cli_follows_a_cross_shard_moved_back_through_the_proxy() {
     f.proxy.shutdown().await;
 }
 
-async fn cluster_client(entry: u16) -> redis::cluster_async::ClusterConnection {
-    redis::cluster::ClusterClientBuilder::new(vec![format!("redis://127.0.0.1:{entry}")])
-        .retries(20)
-        .connection_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2))
-        .build()
-        .unwrap()
-        .get_async_connection()
-        .await
-        .unwrap()
-}
-
-/// A key in each of `n` slots spread evenly over all 16384.
-fn spread_keys(n: usize) -> Vec<String> {
-    let tags = slot_tags();
-    (0..n)
-        .map(|i| format!("{}:{i}", tags[i * 16384 / n]))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_cluster_client_does_10000_set_get_over_all_slots_through_the_proxy() {
     let f = Fixture::start(3, 1).await;
-    let conn = cluster_client(f.port(NodeRef::new(1, 1))).await;
+    let conn = cluster_client(f.port(NodeRef::new(1, 1))).await.unwrap();
 
     // The client sees only the proxy's addresses.
     let slots: redis::Value = redis::cmd("CLUSTER")
@@ -177,7 +142,7 @@ async fn a_rust_cluster_client_does_10000_set_get_over_all_slots_through_the_pro
         );
     }
 
-    let keys = spread_keys(10_000);
+    let keys = spread_keys(10_000, "");
     let slots_hit: std::collections::BTreeSet<u16> =
         keys.iter().map(|k| key_slot(k.as_bytes())).collect();
     assert_eq!(slots_hit.len(), 10_000);
@@ -231,7 +196,7 @@ async fn traffic(
     stop: Arc<AtomicBool>,
     errors: Arc<AtomicU64>,
 ) -> BTreeMap<String, String> {
-    let keys = spread_keys(300);
+    let keys = spread_keys(300, "");
     let mut acked = BTreeMap::new();
     let mut round = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -259,7 +224,7 @@ async fn recovers(
 ) -> Duration {
     let start = Instant::now();
     let mut ok = 0;
-    let keys: Vec<String> = spread_keys(64)
+    let keys: Vec<String> = spread_keys(64, "")
         .into_iter()
         .map(|k| format!("{k}:probe"))
         .collect();
@@ -283,7 +248,7 @@ async fn recovers(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_restarted_during_traffic_the_client_recovers_without_restarting_the_proxy() {
     let f = Fixture::start(3, 1).await;
-    let conn = cluster_client(f.port(NodeRef::new(0, 0))).await;
+    let conn = cluster_client(f.port(NodeRef::new(0, 0))).await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let errors = Arc::new(AtomicU64::new(0));
     let load = tokio::spawn(traffic(conn.clone(), stop.clone(), errors.clone()));

@@ -15,6 +15,7 @@ use shardgate_crds::{NodeRef, PortLayout};
 use shardgate_proxy::route::Backend;
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use shardgate_tests::addr::free_port_range;
+use shardgate_tests::clients::{cli, cluster_client, spread_keys};
 use shardgate_tests::http::{get, metric};
 use shardgate_tests::tools::{python_with_redis, redis_benchmark, redis_cli};
 use shardgate_tests::valkey::{key_slot, slot_tags, ClusterSpec, ValkeyCluster};
@@ -82,19 +83,6 @@ impl Fixture {
     }
 }
 
-fn cli(args: &[&str]) -> String {
-    let out = Command::new(redis_cli().unwrap())
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "redis-cli {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cli_and_redis_benchmark_cluster_through_the_rewriting_proxy() {
     let f = Fixture::start().await;
@@ -103,7 +91,7 @@ async fn redis_cli_and_redis_benchmark_cluster_through_the_rewriting_proxy() {
     let key = format!("{}k", slot_tags()[usize::from(slot)]);
 
     // The nodes hand out their own addresses; the proxy hands out its ports.
-    let moved = cli(&["-h", "127.0.0.1", "-p", &entry, "GET", &key]);
+    let moved = cli(&["-h", "127.0.0.1", "-p", &entry, "GET", &key]).unwrap();
     assert_eq!(
         moved,
         format!("MOVED {slot} 127.0.0.1:{}", f.port(NodeRef::new(2, 0)))
@@ -117,7 +105,7 @@ async fn redis_cli_and_redis_benchmark_cluster_through_the_rewriting_proxy() {
     ] {
         let mut args = vec!["-h", "127.0.0.1", "-p", &entry];
         args.extend_from_slice(cmd);
-        let text = cli(&args);
+        let text = cli(&args).unwrap();
         f.assert_no_internal_address(&text);
         assert!(
             cmd[0] == "ROLE" || cmd[0] == "INFO" || text.contains("127.0.0.1"),
@@ -125,15 +113,15 @@ async fn redis_cli_and_redis_benchmark_cluster_through_the_rewriting_proxy() {
         );
     }
     // And with RESP3.
-    let text = cli(&["-3", "-h", "127.0.0.1", "-p", &entry, "CLUSTER", "SHARDS"]);
+    let text = cli(&["-3", "-h", "127.0.0.1", "-p", &entry, "CLUSTER", "SHARDS"]).unwrap();
     f.assert_no_internal_address(&text);
 
     assert_eq!(
-        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "SET", &key, "v"]),
+        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "SET", &key, "v"]).unwrap(),
         "OK"
     );
     assert_eq!(
-        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]),
+        cli(&["-c", "-h", "127.0.0.1", "-p", &entry, "GET", &key]).unwrap(),
         "v"
     );
 
@@ -185,29 +173,10 @@ async fn redis_cli_and_redis_benchmark_cluster_through_the_rewriting_proxy() {
     f.proxy.shutdown().await;
 }
 
-async fn client(entry: u16) -> redis::cluster_async::ClusterConnection {
-    redis::cluster::ClusterClientBuilder::new(vec![format!("redis://127.0.0.1:{entry}")])
-        .retries(30)
-        .connection_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2))
-        .build()
-        .unwrap()
-        .get_async_connection()
-        .await
-        .unwrap()
-}
-
-fn spread_keys(n: usize, prefix: &str) -> Vec<String> {
-    let tags = slot_tags();
-    (0..n)
-        .map(|i| format!("{}{prefix}:{i}", tags[i * 16384 / n]))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_cluster_client_does_10000_cross_shard_set_get() {
     let f = Fixture::start().await;
-    let conn = client(f.port(NodeRef::new(1, 0))).await;
+    let conn = cluster_client(f.port(NodeRef::new(1, 0))).await.unwrap();
     let keys = spread_keys(10_000, "rust");
     let mut tasks = vec![];
     for chunk in keys.chunks(500) {
@@ -316,7 +285,7 @@ async fn assert_nothing_lost(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_migration_and_failover_during_traffic_lose_no_acknowledged_write() {
     let f = Fixture::start().await;
-    let conn = client(f.port(NodeRef::new(0, 0))).await;
+    let conn = cluster_client(f.port(NodeRef::new(0, 0))).await.unwrap();
     // Keys in one slot of shard 0, which moves to shard 1 while they are written.
     let slot = *f.cluster.spec().initial_slots(0u32).start() + 17;
     let tag = &slot_tags()[usize::from(slot)];
@@ -363,7 +332,7 @@ async fn slot_migration_and_failover_during_traffic_lose_no_acknowledged_write()
     let (hot_acked, spread_acked) = (w1.await.unwrap(), w2.await.unwrap());
     assert_eq!(hot_acked.len(), hot.len());
     assert_eq!(spread_acked.len(), spread.len());
-    let mut check = client(f.port(NodeRef::new(1, 1))).await;
+    let mut check = cluster_client(f.port(NodeRef::new(1, 1))).await.unwrap();
     assert_nothing_lost(&mut check, &hot_acked).await;
     assert_nothing_lost(&mut check, &spread_acked).await;
 
@@ -403,7 +372,10 @@ async fn an_unknown_address_is_forwarded_whole_counted_and_triggers_a_refresh() 
     // The primary names its replica in INFO replication; wait until it does at the new address.
     let direct = f.cluster.node(NodeRef::new(1, 0)).addr();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !cli(&["-h", &direct.ip().to_string(), "INFO", "replication"]).contains(&new_ip) {
+    while !cli(&["-h", &direct.ip().to_string(), "INFO", "replication"])
+        .unwrap()
+        .contains(&new_ip)
+    {
         assert!(
             std::time::Instant::now() < deadline,
             "the primary never saw its replica's new address"
@@ -412,7 +384,7 @@ async fn an_unknown_address_is_forwarded_whole_counted_and_triggers_a_refresh() 
     }
     let version = f.proxy.routes().borrow().version;
 
-    let first = cli(&["-h", "127.0.0.1", "-p", &primary, "INFO", "replication"]);
+    let first = cli(&["-h", "127.0.0.1", "-p", &primary, "INFO", "replication"]).unwrap();
     let line = first
         .lines()
         .find(|l| l.starts_with("slave0:"))
@@ -432,7 +404,7 @@ async fn an_unknown_address_is_forwarded_whole_counted_and_triggers_a_refresh() 
     .await
     .expect("no refresh after an unknown address")
     .unwrap();
-    let second = cli(&["-h", "127.0.0.1", "-p", &primary, "INFO", "replication"]);
+    let second = cli(&["-h", "127.0.0.1", "-p", &primary, "INFO", "replication"]).unwrap();
     let line = second
         .lines()
         .find(|l| l.starts_with("slave0:"))
@@ -450,7 +422,10 @@ async fn a_topology_reply_past_the_frame_limit_closes_the_connection_with_an_err
     let f = Fixture::start_with(|c| c.limits.max_frame = 256).await;
     let entry = f.port(NodeRef::new(0, 0)).to_string();
     // A small reply still passes; CLUSTER NODES for six nodes is about 700 bytes.
-    assert_eq!(cli(&["-h", "127.0.0.1", "-p", &entry, "PING"]), "PONG");
+    assert_eq!(
+        cli(&["-h", "127.0.0.1", "-p", &entry, "PING"]).unwrap(),
+        "PONG"
+    );
     let out = Command::new(redis_cli().unwrap())
         .args(["-h", "127.0.0.1", "-p", &entry, "CLUSTER", "NODES"])
         .output()
@@ -590,6 +565,21 @@ async fn rewritten_replies_equal_what_valkey_itself_announces() {
         ("NODES", false),
         ("NODES", true),
     ];
+    // Replicas still syncing are left out of CLUSTER SLOTS: start from a settled view.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while block_in_place(|| {
+        let slots = raw(direct, false, &["CLUSTER", "SLOTS"]);
+        f.cluster
+            .nodes()
+            .iter()
+            .any(|n| !String::from_utf8_lossy(&slots).contains(&n.node_id))
+    }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "CLUSTER SLOTS never listed every node"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let rewritten: Vec<String> = block_in_place(|| {
         cases
             .iter()
@@ -642,13 +632,23 @@ async fn rewritten_replies_equal_what_valkey_itself_announces() {
             std::thread::sleep(Duration::from_millis(200));
         }
         for ((c, r3), want) in cases.iter().zip(&rewritten) {
-            let truth = normalize(c, &raw(direct, *r3, &["CLUSTER", c]));
-            assert_eq!(
-                &truth,
-                want,
-                "CLUSTER {c} (RESP{}) differs from Valkey's own",
-                if *r3 { 3 } else { 2 }
-            );
+            // The view settles over gossip (a node may briefly miss from it): the truth must
+            // reach what the proxy said, soon.
+            let deadline = std::time::Instant::now() + Duration::from_secs(15);
+            loop {
+                let truth = normalize(c, &raw(direct, *r3, &["CLUSTER", c]));
+                if &truth == want {
+                    break;
+                }
+                let protocol = if *r3 { 3 } else { 2 };
+                if std::time::Instant::now() > deadline {
+                    assert_eq!(
+                        &truth, want,
+                        "CLUSTER {c} (RESP{protocol}) differs from Valkey's own"
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
         }
     });
 }

@@ -65,7 +65,7 @@ impl ControlPlane {
         yaml.extend(options.yaml_files.iter().cloned());
 
         process::reap_strays_once();
-        let root = process::new_root_dir()?;
+        let root = process::new_root_dir("k")?;
         let pki_dir = mkdir(&root.join("pki"))?;
         let pki = Pki::generate(&pki_dir)?;
         let mut cp = ControlPlane {

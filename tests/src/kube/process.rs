@@ -8,86 +8,12 @@
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, Once};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::valkey::MARKER;
-
-static NEXT_ROOT: AtomicU32 = AtomicU32::new(0);
-static REAP: Once = Once::new();
-
-/// Makes a fresh `<tmp>/shardgate-harness-<our pid>-k<n>` directory.
-pub(crate) fn new_root_dir() -> Result<PathBuf> {
-    loop {
-        let n = NEXT_ROOT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("{MARKER}{}-k{n}", std::process::id()));
-        match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok(dir),
-            // Leftovers of an earlier process with our pid are not ours to reuse.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e).with_context(|| format!("creating {}", dir.display())),
-        }
-    }
-}
-
-/// Once per process: kills every harness process (any program) whose test process is gone,
-/// and removes the directories of dead test processes.
-pub(crate) fn reap_strays_once() {
-    REAP.call_once(|| {
-        for pid in stray_processes() {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        }
-        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-            return;
-        };
-        for entry in entries.filter_map(|e| e.ok()) {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if owner_pid(&name).is_some_and(|owner| !alive(owner)) {
-                let _ = std::fs::remove_dir_all(entry.path());
-            }
-        }
-    });
-}
-
-/// Processes started by a harness (marker on the command line or in the working directory)
-/// whose test process no longer exists.
-pub fn stray_processes() -> Vec<u32> {
-    let me = std::process::id();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| pid != me)
-        .filter(|&pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
-                .unwrap_or_default();
-            let cwd = std::fs::read_link(format!("/proc/{pid}/cwd"))
-                .map(|p| p.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            [cmdline, cwd]
-                .iter()
-                .filter_map(|s| owner_pid(s))
-                .any(|owner| owner != me && !alive(owner))
-        })
-        .collect()
-}
-
-fn alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
-
-/// The test process named by the first marker in `s`.
-fn owner_pid(s: &str) -> Option<u32> {
-    let rest = &s[s.find(MARKER)? + MARKER.len()..];
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
+pub(crate) use crate::procs::{new_root_dir, reap_strays_once};
 
 /// A child process with its output in a log file; killed on drop.
 pub struct Daemon {
@@ -209,15 +135,4 @@ pub(crate) fn log_tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn owner_is_parsed_from_paths() {
-        assert_eq!(owner_pid("/tmp/shardgate-harness-4242-k3/etcd"), Some(4242));
-        assert_eq!(owner_pid("/tmp/other"), None);
-    }
 }

@@ -11,7 +11,7 @@ use shardgate_crds::{NodeRef, ShardIndex};
 
 use super::node::{self, Node};
 use super::view::{parse_cluster_nodes, NodesLine};
-use super::{procs, ClusterSpec, Restart, SLOTS};
+use super::{ClusterSpec, Restart, SLOTS};
 use crate::{addr, tools};
 
 /// How long formation, and settling after a fault, may take. Generous: two cores may be
@@ -59,9 +59,9 @@ impl ValkeyCluster {
             "port {} leaves no room for the cluster bus port (port + {BUS_PORT_OFFSET})",
             spec.port
         );
-        procs::reap_strays_once();
+        crate::procs::reap_strays_once();
         let exe = tools::valkey_server()?;
-        let root = procs::new_root_dir()?;
+        let root = crate::procs::new_root_dir("")?;
         // From here on, Drop cleans up whatever has been started.
         let mut cluster = ValkeyCluster {
             spec,

@@ -29,7 +29,6 @@
 
 mod cluster;
 mod node;
-mod procs;
 mod slot;
 mod standalone;
 mod view;
@@ -40,9 +39,9 @@ use std::sync::Arc;
 
 use shardgate_crds::{NodeRef, ShardIndex};
 
+pub use crate::procs::{processes_mentioning, stray_processes, MARKER};
 pub use cluster::{SlotMigration, ValkeyCluster};
 pub use node::{Node, LOG_FILE};
-pub use procs::{processes_mentioning, stray_processes, MARKER};
 pub use slot::{hash_tag_for_slot, key_slot, slot_tags, SLOTS};
 pub use standalone::Standalone;
 pub use view::{parse_cluster_nodes, NodesLine};

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::procs;
 use crate::addr::free_port;
 use crate::tools::valkey_server;
 
@@ -21,10 +20,10 @@ pub struct Standalone {
 
 impl Standalone {
     pub fn start() -> Result<Standalone> {
-        procs::reap_strays_once();
+        crate::procs::reap_strays_once();
         let port = free_port(Ipv4Addr::LOCALHOST);
         // Under a harness directory, so that a stray is reaped like a cluster node.
-        let dir = procs::new_root_dir()?;
+        let dir = crate::procs::new_root_dir("")?;
         let child = Command::new(valkey_server()?)
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .args(["--save", "", "--appendonly", "no", "--set-proc-title", "no"])
