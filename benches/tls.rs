@@ -20,7 +20,7 @@
 //! Each case runs `PING_MBULK`, `SET` and `GET` with 50 clients, no pipelining. Quote the
 //! ratios, not the absolute numbers: the machine is shared.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -221,8 +221,14 @@ fn main() {
         println!("  plain / direct rps          {:.2}", p.1 / d.1);
         println!("  tls / plain rps             {:.2}", t.1 / p.1);
         println!("  tls / plain CPU per request {:.2}", t.2 / p.2);
-        println!("  tls_reconnect / plain_reconnect rps          {:.2}", tr.1 / pr.1);
-        println!("  tls_reconnect / plain_reconnect CPU per req  {:.2}", tr.2 / pr.2);
+        println!(
+            "  tls_reconnect / plain_reconnect rps          {:.2}",
+            tr.1 / pr.1
+        );
+        println!(
+            "  tls_reconnect / plain_reconnect CPU per req  {:.2}",
+            tr.2 / pr.2
+        );
     }
     runtime.block_on(proxy.shutdown());
 }

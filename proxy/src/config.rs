@@ -4,7 +4,37 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use shardgate_crds::Hostnames;
+
 use crate::route::Backend;
+use crate::tls::backend::BackendTlsConfig;
+use crate::tls::certs::CertFiles;
+use crate::tls::DetectLimits;
+
+/// The TLS port: one port for every node, routed by SNI name.
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    pub port: u16,
+    /// The names routed: `<prefix>-<s>-<n>.<domain>`, `<prefix>-<s>.<domain>`,
+    /// `<prefix>.<domain>`.
+    pub names: Hostnames,
+    pub mode: TlsModeConfig,
+    /// The ClientHello's timeout and byte cap.
+    pub detect: DetectLimits,
+}
+
+/// Passthrough or termination.
+#[derive(Debug, Clone)]
+pub enum TlsModeConfig {
+    /// The TLS stream goes to the node untouched; the nodes speak TLS.
+    Passthrough,
+    /// The proxy terminates TLS with `files`, polled for changes every `reload`.
+    Terminate {
+        files: CertFiles,
+        reload: Duration,
+        backend: BackendTlsConfig,
+    },
+}
 
 /// Where the route table comes from.
 #[derive(Debug, Clone)]
@@ -47,6 +77,8 @@ pub struct ProxyConfig {
     pub rewrite_info: bool,
     /// Limits of rewriting connections.
     pub limits: crate::rewrite::stream::Limits,
+    /// The TLS port, if any.
+    pub tls: Option<TlsConfig>,
 }
 
 impl ProxyConfig {
@@ -65,6 +97,7 @@ impl ProxyConfig {
             advertise_host: None,
             rewrite_info: true,
             limits: crate::rewrite::stream::Limits::default(),
+            tls: None,
         }
     }
 }

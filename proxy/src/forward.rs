@@ -1,10 +1,16 @@
 //! One client connection: dial its node, then copy bytes both ways.
 //!
+//! [`Forwarder::serve`] is the per-port path: a plain `TcpStream` split in place, no
+//! wrapping. [`Forwarder::relay`] is the copy itself, generic over the two streams' halves,
+//! which the TLS port uses with TLS streams (see [`crate::tls`]).
+//!
 //! Each direction has one fixed buffer and writes what it read before it reads again, so a
 //! slow reader on one side stops reads on the other (back-pressure) and memory per
 //! connection is bounded by two buffers. Half-closes are forwarded: a client that shuts its
 //! write side still gets the replies in flight.
 
+use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,6 +70,15 @@ pub enum Closed {
     Drained,
 }
 
+/// Which address map a rewriting connection hands out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Addresses {
+    /// The per-port listeners': the advertised host, one port per node.
+    Ports,
+    /// The TLS port's: one SNI name per node, the TLS port.
+    Sni,
+}
+
 /// What every connection shares.
 pub struct Forwarder {
     pub resolver: Resolver,
@@ -85,12 +100,30 @@ impl Forwarder {
     /// Serves one accepted client connection on listener `port` with its route, taken at
     /// accept time. Counts and logs the outcome.
     pub async fn serve(&self, client: TcpStream, port: u16, route: Arc<Route>) {
+        let peer = client.peer_addr().ok();
+        self.account(
+            port,
+            peer,
+            &route.backend,
+            self.forward(client, port, &route),
+        )
+        .await;
+    }
+
+    /// Runs one connection's forwarding (`conn`) on listener `port`, counting it as
+    /// accepted and active while it runs, then counts and logs how it ended.
+    pub async fn account(
+        &self,
+        port: u16,
+        peer: Option<SocketAddr>,
+        backend: &crate::route::Backend,
+        conn: impl Future<Output = Result<Closed, ForwardError>>,
+    ) {
         let m = &self.metrics.connections;
         m.accepted.get_or_create(&PortLabels { port }).inc();
         let active = m.active.get_or_create(&PortLabels { port }).clone();
         active.inc();
-        let peer = client.peer_addr().ok();
-        let outcome = self.forward(client, port, &route).await;
+        let outcome = conn.await;
         active.dec();
         let reason = match &outcome {
             Ok(Closed::Eof) => "eof",
@@ -134,13 +167,13 @@ impl Forwarder {
         m.closed.get_or_create(&ReasonLabels { reason }).inc();
         match outcome {
             Ok(closed) => {
-                tracing::debug!(port, ?peer, backend = %route.backend, ?closed, "connection closed")
+                tracing::debug!(port, ?peer, backend = %backend, ?closed, "connection closed")
             }
             Err(e @ (ForwardError::Dial { .. } | ForwardError::Protocol { .. })) => {
-                tracing::warn!(port, ?peer, backend = %route.backend, "{e}")
+                tracing::warn!(port, ?peer, backend = %backend, "{e}")
             }
             Err(e) => {
-                tracing::debug!(port, ?peer, backend = %route.backend, "connection ended: {e}")
+                tracing::debug!(port, ?peer, backend = %backend, "connection ended: {e}")
             }
         }
     }
@@ -162,7 +195,30 @@ impl Forwarder {
         // Small requests and replies must not wait for Nagle.
         let _ = client.set_nodelay(true);
         let _ = backend.set_nodelay(true);
+        let (cr, cw) = client.split();
+        let (br, bw) = backend.split();
+        let rewrite = route.rewrite.then_some(Addresses::Ports);
+        self.relay(port, rewrite, cr, cw, br, bw).await
+    }
 
+    /// Copies client → backend and backend → client until both are done, the connection
+    /// idles out or the drain ends. With `rewrite`, the replies' topology is rewritten to
+    /// that address map.
+    pub async fn relay<CR, CW, BR, BW>(
+        &self,
+        port: u16,
+        rewrite: Option<Addresses>,
+        cr: CR,
+        cw: CW,
+        br: BR,
+        bw: BW,
+    ) -> Result<Closed, ForwardError>
+    where
+        CR: AsyncRead + Unpin,
+        CW: AsyncWrite + Unpin,
+        BR: AsyncRead + Unpin,
+        BW: AsyncWrite + Unpin,
+    {
         let m = &self.metrics.connections;
         let up = m
             .bytes
@@ -179,14 +235,12 @@ impl Forwarder {
             })
             .clone();
         let clock = Activity::new();
-        let (cr, cw) = client.split();
-        let (br, bw) = backend.split();
         let copy = async {
-            if route.rewrite {
+            if let Some(addresses) = rewrite {
                 let shared = Shared::new(self.rewrite_info);
                 tokio::try_join!(
                     self.requests(cr, bw, &shared, &up, &clock),
-                    self.replies(br, cw, &shared, &down, &clock),
+                    self.replies(br, cw, addresses, &shared, &down, &clock),
                 )
                 .map(|_| ())
             } else {
@@ -224,13 +278,10 @@ impl Forwarder {
         let mut side = RequestSide::new(self.limits);
         let mut buf = vec![0u8; self.buffer_size];
         loop {
-            let n = from
-                .read(&mut buf)
-                .await
-                .map_err(|source| ForwardError::Io {
-                    side: Side::Client,
-                    source,
-                })?;
+            let n = eof_ok(from.read(&mut buf).await).map_err(|source| ForwardError::Io {
+                side: Side::Client,
+                source,
+            })?;
             if n == 0 {
                 let _ = to.shutdown().await;
                 return Ok(());
@@ -257,6 +308,7 @@ impl Forwarder {
         &self,
         mut from: R,
         mut to: W,
+        addresses: Addresses,
         shared: &Shared,
         bytes: &Counter,
         clock: &Activity,
@@ -270,18 +322,18 @@ impl Forwarder {
         let mut segments = Vec::new();
         let m = &self.metrics.rewrite;
         loop {
-            let n = from
-                .read(&mut buf)
-                .await
-                .map_err(|source| ForwardError::Io {
-                    side: Side::Backend,
-                    source,
-                })?;
+            let n = eof_ok(from.read(&mut buf).await).map_err(|source| ForwardError::Io {
+                side: Side::Backend,
+                source,
+            })?;
             if n == 0 {
                 let _ = to.shutdown().await;
                 return Ok(());
             }
-            let map = self.routes.borrow().addresses.clone();
+            let map = match addresses {
+                Addresses::Ports => self.routes.borrow().addresses.clone(),
+                Addresses::Sni => self.routes.borrow().tls_addresses.clone(),
+            };
             let mut report = Report::default();
             segments.clear();
             side.process(&buf[..n], shared, &map, &mut segments, &mut report)
@@ -333,13 +385,10 @@ where
 {
     let mut buf = vec![0u8; buffer_size];
     loop {
-        let n = from
-            .read(&mut buf)
-            .await
-            .map_err(|source| ForwardError::Io {
-                side: from_side,
-                source,
-            })?;
+        let n = eof_ok(from.read(&mut buf).await).map_err(|source| ForwardError::Io {
+            side: from_side,
+            source,
+        })?;
         if n == 0 {
             // The peer may already be gone; that is not this connection's error.
             let _ = to.shutdown().await;
@@ -353,6 +402,16 @@ where
             })?;
         bytes.inc_by(n as u64);
         clock.touch();
+    }
+}
+
+/// A read's result with `UnexpectedEof` taken as an end of stream: what rustls reports when a
+/// TLS peer closes TCP without a close_notify, as many clients do. For this relay it is an
+/// end like any other (RESP frames delimit themselves; the bytes that came are forwarded).
+fn eof_ok(read: std::io::Result<usize>) -> std::io::Result<usize> {
+    match read {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
+        other => other,
     }
 }
 

@@ -7,6 +7,7 @@
 //! - [`forward`]: one client connection: connect to its node, copy bytes both ways.
 //! - [`resolve`]: backends given by DNS name, resolved at connect time.
 //! - [`metrics`] and [`admin`]: Prometheus metrics, `/healthz`, `/readyz`, `/routes`.
+//! - [`tls`]: the TLS port, routed by SNI: passthrough or termination.
 //! - [`proxy`]: puts the parts together; [`config`] holds the settings.
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
@@ -20,6 +21,7 @@ pub mod resolve;
 pub mod resp;
 pub mod rewrite;
 pub mod route;
+pub mod tls;
 
 pub use config::{ProxyConfig, SourceConfig};
 pub use proxy::{Proxy, ProxyHandle};

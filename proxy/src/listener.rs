@@ -15,6 +15,7 @@ use tokio_util::task::TaskTracker;
 use crate::forward::Forwarder;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::route::RouteRx;
+use crate::tls::TlsServer;
 
 /// What every listener shares.
 pub struct Listeners {
@@ -127,6 +128,52 @@ impl Listeners {
             let forwarder = self.forwarder.clone();
             self.connections.spawn(async move {
                 forwarder.serve(socket, port, route).await;
+                drop(permit);
+            });
+        }
+    }
+
+    /// The TLS port's accept loop: the same connection limit and drain as the node ports;
+    /// each connection is routed by its SNI name in its own task.
+    pub async fn accept_tls(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tls: Arc<TlsServer>,
+        stop: CancellationToken,
+    ) {
+        let port = tls.port;
+        tracing::info!(port, "TLS port listening (routed by SNI)");
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let accepted = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            let (socket, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    self.metrics.routes.listener_errors.inc();
+                    tracing::error!(port, "accept failed: {e}; retrying in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(5);
+            let Ok(permit) = self.limit.clone().try_acquire_owned() else {
+                self.metrics
+                    .connections
+                    .rejected
+                    .get_or_create(&ReasonLabels {
+                        reason: "connection_limit",
+                    })
+                    .inc();
+                tracing::warn!(port, %peer, "connection limit reached; closing");
+                continue;
+            };
+            let tls = tls.clone();
+            self.connections.spawn(async move {
+                tls.serve(socket).await;
                 drop(permit);
             });
         }

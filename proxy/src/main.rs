@@ -8,7 +8,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgGroup, Parser, ValueEnum};
+use shardgate_crds::Hostnames;
+use shardgate_proxy::config::{TlsConfig, TlsModeConfig};
 use shardgate_proxy::route::Backend;
+use shardgate_proxy::tls::backend::BackendTlsConfig;
+use shardgate_proxy::tls::certs::CertFiles;
+use shardgate_proxy::tls::DetectLimits;
 use shardgate_proxy::{Proxy, ProxyConfig, SourceConfig};
 
 /// Fronts a Valkey (or Redis) cluster with one TCP port per node, so that clients outside a
@@ -36,6 +41,20 @@ use shardgate_proxy::{Proxy, ProxyConfig, SourceConfig};
 ///   shards:
 ///     - nodes: [10.0.0.1:6379, 10.0.0.2:6379]     # node 0 is port 30000, node 1 30001
 ///     - nodes: [10.0.0.3:6379, valkey-1-1.valkey:6379]
+///
+/// TLS port (--tls-port): one port for the whole cluster, routed by the ClientHello's SNI
+/// name (--sni-prefix vc --sni-domain example.com):
+///   vc-<s>-<n>.example.com  node n of shard s
+///   vc-<s>.example.com      shard s's primary
+///   vc.example.com          any node that answers
+/// An unknown or missing name, or a client that does not speak TLS, is refused before any
+/// node is dialled.
+///   --tls-mode passthrough: the TLS stream goes to the node untouched (nodes speak TLS).
+///   --tls-mode terminate: the proxy terminates TLS (--tls-cert/--tls-key, reloaded on
+///     change; --tls-client-ca for mTLS) and talks plain or TLS (--tls-backend) to the
+///     node; with --rewrite, TLS clients are handed each node's SNI name on the TLS port.
+///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000 --rewrite --advertise-host 203.0.113.7 \
+///     --tls-port 6380 --sni-prefix vc --sni-domain example.com --tls-cert tls.crt --tls-key tls.key
 ///
 /// Endpoints on --admin-addr: /metrics (Prometheus), /healthz, /readyz, /routes (JSON).
 #[derive(Parser, Debug)]
@@ -116,9 +135,161 @@ struct Args {
     #[arg(long, value_name = "BYTES", default_value_t = 64 << 20)]
     max_frame: usize,
 
+    /// The TLS port, routed by SNI name (see above); needs --sni-prefix and --sni-domain.
+    #[arg(long, value_name = "PORT", requires_all = ["sni_prefix", "sni_domain"], help_heading = "TLS port (SNI)")]
+    tls_port: Option<u16>,
+
+    /// The first label of the SNI names: <prefix>-<s>-<n>.<domain>, <prefix>-<s>.<domain>,
+    /// <prefix>.<domain>.
+    #[arg(
+        long,
+        value_name = "PREFIX",
+        requires = "tls_port",
+        help_heading = "TLS port (SNI)"
+    )]
+    sni_prefix: Option<String>,
+
+    /// The domain of the SNI names.
+    #[arg(
+        long,
+        value_name = "DOMAIN",
+        requires = "tls_port",
+        help_heading = "TLS port (SNI)"
+    )]
+    sni_domain: Option<String>,
+
+    /// passthrough: forward the TLS stream untouched to the node's TLS port;
+    /// terminate: the proxy holds the certificate (--tls-cert, --tls-key).
+    #[arg(long, value_enum, default_value_t = TlsModeArg::Terminate, help_heading = "TLS port (SNI)")]
+    tls_mode: TlsModeArg,
+
+    /// Terminate: the certificate chain (PEM, leaf first), e.g. for *.<domain>; reloaded
+    /// when it changes, without dropping connections.
+    #[arg(long, value_name = "FILE", help_heading = "TLS port (SNI)")]
+    tls_cert: Option<PathBuf>,
+
+    /// Terminate: the certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", help_heading = "TLS port (SNI)")]
+    tls_key: Option<PathBuf>,
+
+    /// Terminate: require client certificates signed by these CAs (PEM bundle): mTLS.
+    #[arg(long, value_name = "FILE", help_heading = "TLS port (SNI)")]
+    tls_client_ca: Option<PathBuf>,
+
+    /// Terminate: how often the certificate, key and client CA files are checked for changes.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration, help_heading = "TLS port (SNI)")]
+    tls_reload: Duration,
+
+    /// Terminate: the leg to the node, plain TCP or TLS (verified with --tls-backend-ca).
+    #[arg(long, value_enum, default_value_t = TlsBackendArg::Plain, help_heading = "TLS port (SNI)")]
+    tls_backend: TlsBackendArg,
+
+    /// With --tls-backend tls: the CA bundle (PEM) the nodes' certificates are checked against.
+    #[arg(long, value_name = "FILE", help_heading = "TLS port (SNI)")]
+    tls_backend_ca: Option<PathBuf>,
+
+    /// With --tls-backend tls: the name checked on every node's certificate (default: each
+    /// node's SNI name, <prefix>-<s>-<n>.<domain>).
+    #[arg(long, value_name = "NAME", help_heading = "TLS port (SNI)")]
+    tls_backend_name: Option<String>,
+
+    /// A client that has not sent its whole ClientHello (or finished the handshake) after
+    /// this long is closed.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration, help_heading = "TLS port (SNI)")]
+    tls_hello_timeout: Duration,
+
+    /// The largest ClientHello accepted, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 16 * 1024, help_heading = "TLS port (SNI)")]
+    tls_max_hello: usize,
+
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TlsModeArg {
+    Passthrough,
+    Terminate,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TlsBackendArg {
+    Plain,
+    Tls,
+}
+
+/// The TLS port's settings, checked for flags that need each other.
+fn tls_config(args: &Args) -> anyhow::Result<Option<TlsConfig>> {
+    let Some(port) = args.tls_port else {
+        for (set, flag) in [
+            (args.tls_cert.is_some(), "--tls-cert"),
+            (args.tls_key.is_some(), "--tls-key"),
+            (args.tls_client_ca.is_some(), "--tls-client-ca"),
+            (args.tls_backend_ca.is_some(), "--tls-backend-ca"),
+        ] {
+            if set {
+                anyhow::bail!("{flag} needs --tls-port");
+            }
+        }
+        return Ok(None);
+    };
+    let names = Hostnames {
+        prefix: args.sni_prefix.clone().unwrap_or_default(),
+        domain: args.sni_domain.clone().unwrap_or_default(),
+    };
+    let mode = match args.tls_mode {
+        TlsModeArg::Passthrough => {
+            for (set, flag) in [
+                (args.tls_cert.is_some(), "--tls-cert"),
+                (args.tls_key.is_some(), "--tls-key"),
+                (args.tls_client_ca.is_some(), "--tls-client-ca"),
+                (args.tls_backend == TlsBackendArg::Tls, "--tls-backend tls"),
+            ] {
+                if set {
+                    anyhow::bail!(
+                        "{flag} is for --tls-mode terminate; in passthrough mode the nodes hold the certificates"
+                    );
+                }
+            }
+            TlsModeConfig::Passthrough
+        }
+        TlsModeArg::Terminate => {
+            let (Some(cert), Some(key)) = (args.tls_cert.clone(), args.tls_key.clone()) else {
+                anyhow::bail!(
+                    "--tls-mode terminate needs --tls-cert and --tls-key (or use --tls-mode passthrough)"
+                );
+            };
+            let backend = match args.tls_backend {
+                TlsBackendArg::Plain => BackendTlsConfig::Plain,
+                TlsBackendArg::Tls => BackendTlsConfig::Tls {
+                    ca: args
+                        .tls_backend_ca
+                        .clone()
+                        .context("--tls-backend tls needs --tls-backend-ca")?,
+                    server_name: args.tls_backend_name.clone(),
+                },
+            };
+            TlsModeConfig::Terminate {
+                files: CertFiles {
+                    cert,
+                    key,
+                    client_ca: args.tls_client_ca.clone(),
+                },
+                reload: args.tls_reload,
+                backend,
+            }
+        }
+    };
+    Ok(Some(TlsConfig {
+        port,
+        names,
+        mode,
+        detect: DetectLimits {
+            timeout: args.tls_hello_timeout,
+            max_bytes: args.tls_max_hello.max(512),
+        },
+    }))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -162,6 +333,7 @@ async fn terminated() -> anyhow::Result<&'static str> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let tls = tls_config(&args)?;
     let source = match (args.routes, args.base_port) {
         (Some(path), _) => SourceConfig::File {
             path,
@@ -187,6 +359,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     config.advertise_host = args.advertise_host;
     config.rewrite_info = !args.no_rewrite_info;
     config.limits.max_frame = args.max_frame;
+    config.tls = tls;
 
     let proxy = Proxy::start(config)
         .await

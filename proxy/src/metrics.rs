@@ -80,12 +80,44 @@ pub struct RewriteMetrics {
     pub protocol_errors: Family<ReasonLabels, Counter>,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TlsVersionLabels {
+    /// `TLSv1_2`, `TLSv1_3`.
+    pub version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TlsTargetLabels {
+    /// `node`, `shard`, `bootstrap`.
+    pub target: &'static str,
+}
+
+/// The TLS port.
+#[derive(Default)]
+pub struct TlsMetrics {
+    /// Connections refused before any backend was dialled, by reason.
+    pub refused: Family<ReasonLabels, Counter>,
+    /// Connections routed, by what their SNI name names.
+    pub routed: Family<TlsTargetLabels, Counter>,
+    /// Completed TLS handshakes (termination), by version.
+    pub handshakes: Family<TlsVersionLabels, Counter>,
+    /// Certificate and key reloads, by result (`ok`, `error`).
+    pub reloads: Family<ReasonLabels, Counter>,
+}
+
+impl TlsMetrics {
+    pub fn refuse(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabels { reason }).inc();
+    }
+}
+
 /// All of the proxy's metrics.
 #[derive(Default)]
 pub struct Metrics {
     pub connections: ConnectionMetrics,
     pub routes: RouteMetrics,
     pub rewrite: RewriteMetrics,
+    pub tls: TlsMetrics,
 }
 
 impl Metrics {
@@ -160,6 +192,27 @@ impl Metrics {
             "protocol_errors",
             "Connections closed because a stream was not valid RESP or broke a limit, per side",
             w.protocol_errors.clone(),
+        );
+        let t = &self.tls;
+        r.register(
+            "tls_refused",
+            "TLS port: connections refused before any backend was dialled, by reason",
+            t.refused.clone(),
+        );
+        r.register(
+            "tls_routed",
+            "TLS port: connections routed by their SNI name, by what it names",
+            t.routed.clone(),
+        );
+        r.register(
+            "tls_handshakes",
+            "TLS port: handshakes completed by the proxy (termination), by TLS version",
+            t.handshakes.clone(),
+        );
+        r.register(
+            "tls_certificate_reloads",
+            "TLS port: certificate/key reloads, by result",
+            t.reloads.clone(),
         );
         self
     }

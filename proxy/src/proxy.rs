@@ -14,13 +14,18 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::{self, AdminState};
-use crate::config::{ProxyConfig, SourceConfig};
+use crate::config::{ProxyConfig, SourceConfig, TlsModeConfig};
 use crate::forward::Forwarder;
 use crate::listener::Listeners;
 use crate::metrics::Metrics;
 use crate::resolve::Resolver;
 use crate::route::sources::{file, FileSource, SeedSource};
 use crate::route::{RoutePublisher, RouteRx, RouteSource, RouteTable};
+use crate::tls::backend::BackendTls;
+use crate::tls::certs;
+use crate::tls::select::Selector;
+use crate::tls::server::TlsMode;
+use crate::tls::TlsServer;
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +36,13 @@ pub enum StartError {
     Publish(#[from] crate::route::source::PublishError),
     #[error("admin server: cannot listen on {addr}: {source}")]
     Admin {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("TLS port: {0}")]
+    Tls(#[from] crate::tls::certs::CertError),
+    #[error("TLS port: cannot listen on {addr}: {source}")]
+    TlsListen {
         addr: SocketAddr,
         source: std::io::Error,
     },
@@ -65,13 +77,16 @@ impl Proxy {
             .advertise_host
             .clone()
             .or_else(|| (!config.listen_ip.is_unspecified()).then(|| config.listen_ip.to_string()));
-        let publisher = RoutePublisher::new(
+        let mut publisher = RoutePublisher::new(
             tx,
             config.listen_ip,
             config.admin_addr,
             advertise,
             metrics.clone(),
         );
+        if let Some(tls) = &config.tls {
+            publisher = publisher.with_sni(tls.names.clone(), tls.port);
+        }
         let resolver = Resolver::system();
         let stop = CancellationToken::new();
         let hard_stop = CancellationToken::new();
@@ -87,6 +102,46 @@ impl Proxy {
                     .map_err(|source| StartError::Admin { addr, source })?;
                 admin_addr = l.local_addr().ok();
                 Some(l)
+            }
+            None => None,
+        };
+
+        // The TLS port: its certificate must load and its port bind, or the proxy does not
+        // start (a typo in a path is better found now than at the first client).
+        let tls_parts = match &config.tls {
+            Some(tls) => {
+                let addr = SocketAddr::new(config.listen_ip, tls.port);
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| StartError::TlsListen { addr, source })?;
+                let mode = match &tls.mode {
+                    TlsModeConfig::Passthrough => (TlsMode::Passthrough, None),
+                    TlsModeConfig::Terminate {
+                        files,
+                        reload,
+                        backend,
+                    } => {
+                        let (server, contents) = files.load()?;
+                        let (cert_tx, cert_rx) = watch::channel(Arc::new(server));
+                        let backend = BackendTls::load(backend)?;
+                        let reloader = certs::reload(
+                            files.clone(),
+                            contents,
+                            cert_tx,
+                            *reload,
+                            metrics.clone(),
+                            stop.clone(),
+                        );
+                        (
+                            TlsMode::Terminate {
+                                config: cert_rx,
+                                backend,
+                            },
+                            Some(reloader),
+                        )
+                    }
+                };
+                Some((listener, tls.clone(), mode))
             }
             None => None,
         };
@@ -139,6 +194,25 @@ impl Proxy {
             metrics: metrics.clone(),
             ready: ready.clone(),
         });
+        if let Some((listener, tls, (mode, reloader))) = tls_parts {
+            let server = Arc::new(TlsServer {
+                port: tls.port,
+                selector: Selector::new(tls.names.clone()),
+                mode,
+                limits: tls.detect,
+                forwarder: listeners.forwarder.clone(),
+                routes: routes.clone(),
+                metrics: metrics.clone(),
+            });
+            if let Some(reloader) = reloader {
+                tasks.push(tokio::spawn(reloader));
+            }
+            tasks.push(tokio::spawn(listeners.clone().accept_tls(
+                listener,
+                server,
+                stop.clone(),
+            )));
+        }
         tasks.push(tokio::spawn(listeners.supervise(stop.clone())));
 
         if let Some(listener) = admin_listener {

@@ -25,6 +25,12 @@ pub enum DialError {
     },
     #[error("connect to {backend}: timed out after {after:?}")]
     Timeout { backend: String, after: Duration },
+    #[error("TLS handshake with {backend} as {name:?}: {source}")]
+    Tls {
+        backend: String,
+        name: String,
+        source: std::io::Error,
+    },
 }
 
 impl DialError {
@@ -34,6 +40,7 @@ impl DialError {
             DialError::Resolve { .. } | DialError::NoAddress { .. } => "resolve",
             DialError::Connect { .. } => "connect",
             DialError::Timeout { .. } => "timeout",
+            DialError::Tls { .. } => "tls",
         }
     }
 }

@@ -155,6 +155,8 @@ fn routes() -> Routes {
                 node_id: None,
                 hostname: Some(format!("node-{n}.example.test")),
                 rewrite: true,
+                primary: n % 2 == 1,
+                tls_backend: None,
             };
             (30000 + n as u16, Arc::new(route))
         })

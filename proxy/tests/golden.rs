@@ -33,6 +33,9 @@ fn routes() -> Routes {
                 backend: format!("{ip}:6379").parse::<Backend>().unwrap(),
                 node_id: Some(id.to_string()),
                 hostname: Some(format!("node-{}.example.test", i + 1)),
+                rewrite: true,
+                primary: i % 2 == 0,
+                tls_backend: None,
             };
             (30000 + i as u16, Arc::new(route))
         })

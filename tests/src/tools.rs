@@ -111,6 +111,18 @@ pub fn redis_benchmark() -> Result<PathBuf> {
     find(&REDIS_BENCHMARK)
 }
 
+const STUNNEL: Tool = Tool {
+    name: "stunnel",
+    env: "SHARDGATE_STUNNEL",
+    cache_prefix: None,
+};
+
+/// `stunnel` (Debian's stunnel4): the TLS terminator in front of the tests' TLS-speaking
+/// nodes (valkey-server here is built without TLS).
+pub fn stunnel() -> Result<PathBuf> {
+    find(&STUNNEL)
+}
+
 /// `${SHARDGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shardgate}`, as `scripts/setup` computes
 /// it; `None` if neither those variables nor `HOME` are set.
 pub fn cache_dir() -> Option<PathBuf> {

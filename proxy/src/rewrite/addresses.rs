@@ -1,78 +1,142 @@
-//! The address map: a node's internal address or Valkey id → its external port on the proxy,
-//! and the host external clients dial.
+//! The address map: a node's internal address or Valkey id → the [`Endpoint`] (host and
+//! port) external clients reach it at through the proxy.
+//!
+//! One map per kind of listener, built from the same route table:
+//! - the per-port listeners ([`AddressMap::new`]): every node at the one advertised host,
+//!   each on its own listener port;
+//! - the TLS port ([`AddressMap::sni`]): every node at its own SNI name
+//!   (`<prefix>-<s>-<n>.<domain>`), all on the one TLS port.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
-use crate::route::{Host, Routes};
+use shardgate_crds::{node_hostname, Hostnames};
 
-/// Internal → external, built from a route table and the advertised host.
+use crate::route::{Host, Route, Routes};
+
+/// Where external clients reach one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// An IP address or a DNS name.
+    pub host: Arc<str>,
+    /// Whether `host` is an IP address (else a DNS name).
+    pub host_is_ip: bool,
+    pub port: u16,
+}
+
+impl Endpoint {
+    pub fn new(host: Arc<str>, port: u16) -> Self {
+        let host_is_ip = host.parse::<IpAddr>().is_ok();
+        Endpoint {
+            host,
+            host_is_ip,
+            port,
+        }
+    }
+}
+
+/// Internal → external, built from a route table.
 #[derive(Debug, Clone, Default)]
 pub struct AddressMap {
-    host: String,
-    host_is_ip: bool,
-    by_id: HashMap<Vec<u8>, u16>,
-    by_addr: HashMap<(Vec<u8>, u16), u16>,
+    by_id: HashMap<Vec<u8>, Endpoint>,
+    by_addr: HashMap<(Vec<u8>, u16), Endpoint>,
+    /// Whether the endpoints speak TLS (the SNI port): CLUSTER SHARDS then names the port as
+    /// `tls-port` as well.
+    tls: bool,
 }
 
 impl AddressMap {
-    /// `advertise`: the host (IP or DNS name) external clients reach the proxy at.
+    /// The per-port listeners: every node at `advertise` (the host, an IP or a DNS name,
+    /// external clients reach the proxy at), on its own listener port.
     pub fn new(advertise: &str, routes: &Routes) -> Self {
+        let host: Arc<str> = advertise.into();
+        Self::build(routes, false, |port, _| Endpoint::new(host.clone(), port))
+    }
+
+    /// The TLS port: every node at its SNI name, all on `tls_port`.
+    pub fn sni(names: &Hostnames, tls_port: u16, routes: &Routes) -> Self {
+        Self::build(routes, true, |_, route| {
+            Endpoint::new(
+                node_hostname(&names.prefix, route.node, &names.domain).into(),
+                tls_port,
+            )
+        })
+    }
+
+    /// A map with each route's endpoint given by `endpoint(listener port, route)`.
+    pub fn build(routes: &Routes, tls: bool, endpoint: impl Fn(u16, &Route) -> Endpoint) -> Self {
         let mut map = AddressMap {
-            host: advertise.to_string(),
-            host_is_ip: advertise.parse::<IpAddr>().is_ok(),
+            tls,
             ..AddressMap::default()
         };
         for (&port, route) in routes {
+            let ext = endpoint(port, route);
             if let Some(id) = &route.node_id {
-                map.by_id.insert(id.as_bytes().to_ascii_lowercase(), port);
+                map.by_id
+                    .insert(id.as_bytes().to_ascii_lowercase(), ext.clone());
             }
             let host = match &route.backend.host {
                 Host::Ip(ip) => ip.to_string(),
                 Host::Dns(name) => name.clone(),
             };
             map.by_addr
-                .insert((host.into_bytes(), route.backend.port), port);
+                .insert((host.into_bytes(), route.backend.port), ext.clone());
+            if let Some(tls) = &route.tls_backend {
+                let host = match &tls.host {
+                    Host::Ip(ip) => ip.to_string(),
+                    Host::Dns(name) => name.clone(),
+                };
+                map.by_addr
+                    .insert((host.into_bytes(), tls.port), ext.clone());
+            }
             if let Some(h) = &route.hostname {
-                map.by_addr.insert(
-                    (h.as_bytes().to_ascii_lowercase(), route.backend.port),
-                    port,
-                );
+                map.by_addr
+                    .insert((h.as_bytes().to_ascii_lowercase(), route.backend.port), ext);
             }
         }
         map
     }
 
-    /// The host external clients dial.
-    pub fn host(&self) -> &str {
-        &self.host
+    /// Whether the endpoints speak TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls
     }
 
-    /// Whether that host is an IP address (else a DNS name).
-    pub fn host_is_ip(&self) -> bool {
-        self.host_is_ip
+    /// The endpoint of the node with this Valkey id.
+    pub fn endpoint_of_id(&self, id: &[u8]) -> Option<&Endpoint> {
+        self.by_id.get(&id.to_ascii_lowercase())
     }
 
-    /// The external port of the node with this Valkey id.
-    pub fn port_of_id(&self, id: &[u8]) -> Option<u16> {
-        self.by_id.get(&id.to_ascii_lowercase()).copied()
-    }
-
-    /// The external port of the node at this internal address (an IP or a DNS name).
-    pub fn port_of_addr(&self, host: &[u8], port: u16) -> Option<u16> {
+    /// The endpoint of the node at this internal address (an IP or a DNS name).
+    pub fn endpoint_of_addr(&self, host: &[u8], port: u16) -> Option<&Endpoint> {
         let host = host
             .strip_prefix(b"[")
             .and_then(|h| h.strip_suffix(b"]"))
             .unwrap_or(host);
         let key = (host.to_ascii_lowercase(), port);
-        self.by_addr.get(&key).copied()
+        self.by_addr.get(&key)
+    }
+
+    /// The external port of the node with this Valkey id.
+    pub fn port_of_id(&self, id: &[u8]) -> Option<u16> {
+        self.endpoint_of_id(id).map(|e| e.port)
+    }
+
+    /// The external port of the node at this internal address.
+    pub fn port_of_addr(&self, host: &[u8], port: u16) -> Option<u16> {
+        self.endpoint_of_addr(host, port).map(|e| e.port)
     }
 
     /// Looks a node up by id, then by each of the addresses given.
-    pub fn find(&self, id: Option<&[u8]>, addrs: &[(Option<&[u8]>, Option<u16>)]) -> Option<u16> {
-        id.and_then(|i| self.port_of_id(i)).or_else(|| {
+    pub fn find(
+        &self,
+        id: Option<&[u8]>,
+        addrs: &[(Option<&[u8]>, Option<u16>)],
+    ) -> Option<&Endpoint> {
+        id.and_then(|i| self.endpoint_of_id(i)).or_else(|| {
             addrs.iter().find_map(|(h, p)| match (h, p) {
-                (Some(h), Some(p)) if !h.is_empty() => self.port_of_addr(h, *p),
+                (Some(h), Some(p)) if !h.is_empty() => self.endpoint_of_addr(h, *p),
                 _ => None,
             })
         })
@@ -91,4 +155,47 @@ pub(crate) fn port_text(p: u16) -> Vec<u8> {
 /// Parses a decimal port.
 pub(crate) fn parse_port(b: &[u8]) -> Option<u16> {
     std::str::from_utf8(b).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::route::Backend;
+    use shardgate_crds::NodeRef;
+
+    fn routes() -> Routes {
+        (0..4u32)
+            .map(|i| {
+                let mut r = Route::new(
+                    NodeRef::new(i / 2, i % 2),
+                    format!("10.0.0.{}:6379", i + 1).parse::<Backend>().unwrap(),
+                );
+                r.node_id = Some(format!("{i:040}"));
+                (30000 + i as u16, Arc::new(r))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_host_many_ports_or_many_names_one_port() {
+        let plain = AddressMap::new("203.0.113.7", &routes());
+        let e = plain.endpoint_of_addr(b"10.0.0.3", 6379).unwrap();
+        assert_eq!(
+            (&*e.host, e.host_is_ip, e.port),
+            ("203.0.113.7", true, 30002)
+        );
+        assert!(!plain.is_tls());
+
+        let names = Hostnames {
+            prefix: "vc".into(),
+            domain: "example.test".into(),
+        };
+        let sni = AddressMap::sni(&names, 6380, &routes());
+        let e = sni.endpoint_of_id(format!("{:040}", 3).as_bytes()).unwrap();
+        assert_eq!(
+            (&*e.host, e.host_is_ip, e.port),
+            ("vc-1-1.example.test", false, 6380)
+        );
+        assert!(sni.is_tls());
+    }
 }

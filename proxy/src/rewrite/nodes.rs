@@ -87,13 +87,13 @@ fn rewrite_line(map: &AddressMap, line: &[u8], out: &mut Vec<u8>, report: &mut R
     out.push(b' ');
     // The address field holds an IP; a proxy reached by name puts the name there too, which
     // is what clients dial, and in the hostname slot.
-    out.extend_from_slice(map.host().as_bytes());
+    out.extend_from_slice(ext.host.as_bytes());
     out.push(b':');
-    out.extend_from_slice(itoa::Buffer::new().format(ext).as_bytes());
+    out.extend_from_slice(itoa::Buffer::new().format(ext.port).as_bytes());
     out.extend_from_slice(cport);
-    if !map.host_is_ip() {
+    if !ext.host_is_ip {
         out.push(b',');
-        out.extend_from_slice(map.host().as_bytes());
+        out.extend_from_slice(ext.host.as_bytes());
     }
     if let Some(rest) = rest {
         out.push(b' ');

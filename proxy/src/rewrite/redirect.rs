@@ -17,7 +17,7 @@ pub fn rewrite(map: &AddressMap, line: &[u8], report: &mut Report) -> Option<Vec
     let addr = parts.next()?;
     let colon = addr.iter().rposition(|&b| b == b':')?;
     let (host, port) = (&addr[..colon], parse_port(&addr[colon + 1..])?);
-    let Some(ext) = map.port_of_addr(host, port) else {
+    let Some(ext) = map.endpoint_of_addr(host, port) else {
         report.unknown(String::from_utf8_lossy(addr));
         return None;
     };
@@ -27,14 +27,14 @@ pub fn rewrite(map: &AddressMap, line: &[u8], report: &mut Report) -> Option<Vec
     out.push(b' ');
     out.extend_from_slice(slot);
     out.push(b' ');
-    if map.host_is_ip() && map.host().contains(':') {
+    if ext.host_is_ip && ext.host.contains(':') {
         out.push(b'[');
-        out.extend_from_slice(map.host().as_bytes());
+        out.extend_from_slice(ext.host.as_bytes());
         out.push(b']');
     } else {
-        out.extend_from_slice(map.host().as_bytes());
+        out.extend_from_slice(ext.host.as_bytes());
     }
     out.push(b':');
-    out.extend_from_slice(itoa::Buffer::new().format(ext).as_bytes());
+    out.extend_from_slice(itoa::Buffer::new().format(ext.port).as_bytes());
     Some(out)
 }

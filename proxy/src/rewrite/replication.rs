@@ -22,10 +22,10 @@ pub fn role(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
                 }
                 let port = fields[1].as_bytes().and_then(parse_port);
                 let ip = fields[0].as_bytes().unwrap_or_default().to_vec();
-                match port.and_then(|p| map.port_of_addr(&ip, p)) {
+                match port.and_then(|p| map.endpoint_of_addr(&ip, p)) {
                     Some(ext) => {
-                        fields[0] = Frame::Bulk(Cow::Owned(map.host().as_bytes().to_vec()));
-                        fields[1] = Frame::Bulk(Cow::Owned(port_text(ext)));
+                        fields[0] = Frame::Bulk(Cow::Owned(ext.host.as_bytes().to_vec()));
+                        fields[1] = Frame::Bulk(Cow::Owned(port_text(ext.port)));
                         report.rewritten += 1;
                     }
                     None => report.unknown(format!(
@@ -39,10 +39,10 @@ pub fn role(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
         Some(b"slave") if items.len() >= 3 => {
             let port = items[2].as_int().and_then(|p| u16::try_from(p).ok());
             let ip = items[1].as_bytes().unwrap_or_default().to_vec();
-            match port.and_then(|p| map.port_of_addr(&ip, p)) {
+            match port.and_then(|p| map.endpoint_of_addr(&ip, p)) {
                 Some(ext) => {
-                    items[1] = Frame::Bulk(Cow::Owned(map.host().as_bytes().to_vec()));
-                    items[2] = Frame::Int(Cow::Owned(port_text(ext)));
+                    items[1] = Frame::Bulk(Cow::Owned(ext.host.as_bytes().to_vec()));
+                    items[2] = Frame::Int(Cow::Owned(port_text(ext.port)));
                     report.rewritten += 1;
                 }
                 None => report.unknown(format!(
@@ -77,7 +77,7 @@ pub fn info(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
         value(b"master_host:"),
         value(b"master_port:").and_then(parse_port),
     ) {
-        (Some(h), Some(p)) => match map.port_of_addr(h, p) {
+        (Some(h), Some(p)) => match map.endpoint_of_addr(h, p) {
             Some(ext) => Some(ext),
             None => {
                 report.unknown(format!("{}:{p}", String::from_utf8_lossy(h)));
@@ -95,12 +95,12 @@ pub fn info(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
             Some(l) => (l, &b"\r"[..]),
             None => (*line, &b""[..]),
         };
-        if let (Some(_), true) = (primary, l.starts_with(b"master_host:")) {
+        if let (Some(ext), true) = (primary, l.starts_with(b"master_host:")) {
             out.extend_from_slice(b"master_host:");
-            out.extend_from_slice(map.host().as_bytes());
+            out.extend_from_slice(ext.host.as_bytes());
         } else if let (Some(ext), true) = (primary, l.starts_with(b"master_port:")) {
             out.extend_from_slice(b"master_port:");
-            out.extend_from_slice(&port_text(ext));
+            out.extend_from_slice(&port_text(ext.port));
         } else if is_replica_line(l) {
             replica_line(map, l, &mut out, report);
         } else {
@@ -136,7 +136,7 @@ fn replica_line(map: &AddressMap, l: &[u8], out: &mut Vec<u8>, report: &mut Repo
         out.extend_from_slice(l);
         return;
     };
-    let Some(ext) = map.port_of_addr(ip, port) else {
+    let Some(ext) = map.endpoint_of_addr(ip, port) else {
         report.unknown(format!("{}:{port}", String::from_utf8_lossy(ip)));
         out.extend_from_slice(l);
         return;
@@ -149,10 +149,10 @@ fn replica_line(map: &AddressMap, l: &[u8], out: &mut Vec<u8>, report: &mut Repo
         }
         if field.starts_with(b"ip=") {
             out.extend_from_slice(b"ip=");
-            out.extend_from_slice(map.host().as_bytes());
+            out.extend_from_slice(ext.host.as_bytes());
         } else if field.starts_with(b"port=") {
             out.extend_from_slice(b"port=");
-            out.extend_from_slice(&port_text(ext));
+            out.extend_from_slice(&port_text(ext.port));
         } else {
             out.extend_from_slice(field);
         }

@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 
-use super::addresses::{port_text, AddressMap};
+use super::addresses::{port_text, AddressMap, Endpoint};
 use super::Report;
 use crate::resp::frame::Frame;
 
@@ -75,6 +75,22 @@ impl<'f, 'a> MapRef<'f, 'a> {
             *self.value_mut(i) = value;
         }
     }
+
+    /// Sets `key`, adding it at the end if it is not there.
+    fn upsert(&mut self, key: &'static [u8], value: Frame<'a>) {
+        if let Some(i) = self.index(key) {
+            *self.value_mut(i) = value;
+            return;
+        }
+        let key = Frame::Bulk(Cow::Borrowed(key));
+        match self {
+            MapRef::Pairs(p) => p.push((key, value)),
+            MapRef::Flat(f) => {
+                f.push(key);
+                f.push(value);
+            }
+        }
+    }
 }
 
 fn bulk(s: &str) -> Frame<'static> {
@@ -95,9 +111,9 @@ fn special_endpoint(f: &Frame<'_>) -> bool {
 
 /// The `ip` and `hostname` keys of a node description: the advertised host under the key
 /// that matches its kind; the other key, which would name an internal address, goes.
-fn rewrite_ip_and_hostname(map: &AddressMap, m: &mut MapRef<'_, '_>) {
-    let host = map.host();
-    let (keep, drop) = if map.host_is_ip() {
+fn rewrite_ip_and_hostname(ext: &Endpoint, m: &mut MapRef<'_, '_>) {
+    let host = &ext.host;
+    let (keep, drop) = if ext.host_is_ip {
         (&b"ip"[..], &b"hostname"[..])
     } else {
         (&b"hostname"[..], &b"ip"[..])
@@ -136,12 +152,13 @@ pub fn slots(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
                 report.unknown(describe(id.as_deref(), endpoint.as_deref(), port));
                 continue;
             };
+            let ext = ext.clone();
             if !special_endpoint(&fields[0]) {
-                fields[0] = bulk(map.host());
+                fields[0] = bulk(&ext.host);
             }
-            fields[1] = int(ext);
+            fields[1] = int(ext.port);
             if let Some(mut meta) = fields.get_mut(3).and_then(MapRef::of) {
-                rewrite_ip_and_hostname(map, &mut meta);
+                rewrite_ip_and_hostname(&ext, &mut meta);
             }
             report.rewritten += 1;
         }
@@ -188,15 +205,21 @@ pub fn shards(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
                 report.unknown(describe(id.as_deref(), ip.as_deref(), port));
                 continue;
             };
-            m.set(b"port", int(ext));
-            // The node's TLS port is internal; the proxy's TLS port is not known here.
-            m.remove(b"tls-port");
+            let ext = ext.clone();
+            m.set(b"port", int(ext.port));
+            if map.is_tls() {
+                // The SNI port: a TLS client reads `tls-port`, so it names the same port.
+                m.upsert(b"tls-port", int(ext.port));
+            } else {
+                // The node's TLS port is internal, and the per-port listeners speak plain.
+                m.remove(b"tls-port");
+            }
             if let Some(e) = m.index(b"endpoint") {
                 if !special_endpoint(m.value(e)) {
-                    m.set(b"endpoint", bulk(map.host()));
+                    m.set(b"endpoint", bulk(&ext.host));
                 }
             }
-            rewrite_ip_and_hostname(map, &mut m);
+            rewrite_ip_and_hostname(&ext, &mut m);
             report.rewritten += 1;
         }
     }

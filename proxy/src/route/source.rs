@@ -7,6 +7,8 @@ use std::sync::Arc;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+use shardgate_crds::Hostnames;
+
 use super::{Host, RouteTable, Routes};
 use crate::metrics::Metrics;
 
@@ -51,6 +53,8 @@ pub struct RoutePublisher {
     advertise: Option<String>,
     metrics: Arc<Metrics>,
     refresh: Arc<Notify>,
+    /// The SNI names and the TLS port, for the TLS port's address map.
+    sni: Option<(Hostnames, u16)>,
 }
 
 impl RoutePublisher {
@@ -68,7 +72,15 @@ impl RoutePublisher {
             advertise,
             metrics,
             refresh: Arc::new(Notify::new()),
+            sni: None,
         }
+    }
+
+    /// Also builds the TLS port's address map (every node at its SNI name on `tls_port`),
+    /// and refuses routes to the TLS port itself.
+    pub fn with_sni(mut self, names: Hostnames, tls_port: u16) -> Self {
+        self.sni = Some((names, tls_port));
+        self
     }
 
     /// Signalled when a rewriter met an address the table does not know; sources that can
@@ -96,11 +108,16 @@ impl RoutePublisher {
                 self.advertise.as_deref().unwrap_or_default(),
                 &routes,
             );
+            let tls_addresses = match &self.sni {
+                Some((names, port)) => crate::rewrite::AddressMap::sni(names, *port, &routes),
+                None => crate::rewrite::AddressMap::default(),
+            };
             *cur = Arc::new(RouteTable {
                 version,
                 source,
                 routes: routes.clone(),
                 addresses: Arc::new(addresses),
+                tls_addresses: Arc::new(tls_addresses),
             });
             changed = true;
             true
@@ -150,12 +167,20 @@ impl RoutePublisher {
                     return Err(PublishError::AdminPort(port));
                 }
             }
-            if let Host::Ip(ip) = route.backend.host {
-                if own_ip(ip) && routes.contains_key(&route.backend.port) {
-                    return Err(PublishError::Loop {
-                        port,
-                        backend: route.backend.to_string(),
-                    });
+            let tls_port = self.sni.as_ref().map(|(_, p)| *p);
+            for backend in [Some(&route.backend), route.tls_backend.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Host::Ip(ip) = backend.host {
+                    if own_ip(ip)
+                        && (routes.contains_key(&backend.port) || tls_port == Some(backend.port))
+                    {
+                        return Err(PublishError::Loop {
+                            port,
+                            backend: backend.to_string(),
+                        });
+                    }
                 }
             }
         }

@@ -24,6 +24,36 @@ pub struct Route {
     pub hostname: Option<String>,
     /// Whether replies on this listener have their topology rewritten.
     pub rewrite: bool,
+    /// Whether the node is its shard's primary, as far as the source knows: the seed source
+    /// reads the live role from `CLUSTER SHARDS` on every refresh; the route file knows no
+    /// roles and marks node 0 of each shard (the initial primary). The SNI name of a shard
+    /// routes to it.
+    pub primary: bool,
+    /// Where the node speaks TLS, if not at `backend` (its `tls-port`): what the TLS port
+    /// dials in passthrough mode and with `--tls-backend tls`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_backend: Option<Backend>,
+}
+
+impl Route {
+    /// A route to `backend` with nothing else known: no id, no hostname, no rewriting, a
+    /// primary if it is node 0 of its shard.
+    pub fn new(node: NodeRef, backend: Backend) -> Self {
+        Route {
+            node,
+            backend,
+            node_id: None,
+            hostname: None,
+            rewrite: false,
+            primary: node.node.0 == 0,
+            tls_backend: None,
+        }
+    }
+
+    /// Where TLS connections to the node go: its TLS address, else its address.
+    pub fn tls_backend(&self) -> &Backend {
+        self.tls_backend.as_ref().unwrap_or(&self.backend)
+    }
 }
 
 /// Listener port → route.
@@ -38,9 +68,12 @@ pub struct RouteTable {
     /// Which source built it (`file`, `seed`).
     pub source: &'static str,
     pub routes: Routes,
-    /// Internal address → external address, for the rewriters.
+    /// Internal address → external address, for the rewriters of the per-port listeners.
     #[serde(skip)]
     pub addresses: Arc<crate::rewrite::AddressMap>,
+    /// The same for the TLS port: each node at its SNI name (empty without a TLS port).
+    #[serde(skip)]
+    pub tls_addresses: Arc<crate::rewrite::AddressMap>,
 }
 
 /// Every listener and connection reads the latest table from here.
@@ -63,6 +96,13 @@ impl RouteTable {
 
     /// Whether `backend` is one of this table's nodes (the proxy dials nothing else).
     pub fn has_backend(&self, backend: &Backend) -> bool {
-        self.routes.values().any(|r| &r.backend == backend)
+        self.routes
+            .values()
+            .any(|r| &r.backend == backend || r.tls_backend.as_ref() == Some(backend))
+    }
+
+    /// The route of the node at `node`.
+    pub fn node(&self, node: NodeRef) -> Option<&Arc<Route>> {
+        self.routes.values().find(|r| r.node == node)
     }
 }

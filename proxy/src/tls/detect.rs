@@ -80,9 +80,7 @@ where
                 Parsed::Hello { sni, .. } => return Ok(sni),
                 Parsed::NotTls(e) => return Err(DetectError::NotTls(e)),
                 Parsed::Incomplete { need } => {
-                    if buf.len() >= limits.max_bytes
-                        || need.is_some_and(|n| n > limits.max_bytes)
-                    {
+                    if buf.len() >= limits.max_bytes || need.is_some_and(|n| n > limits.max_bytes) {
                         return Err(DetectError::TooLarge);
                     }
                     // Never read past the cap.
@@ -151,13 +149,12 @@ mod tests {
         let big = client_hello(Some("vc.example.test"), 8000);
         let (mut client, mut server) = tokio::io::duplex(1 << 16);
         client.write_all(&big).await.unwrap();
-        assert!(matches!(
-            detect(&mut server, limits()).await,
-            Err(DetectError::TooLarge)
-        ));
+        let r = detect(&mut server, limits()).await;
+        assert!(matches!(r, Err(DetectError::TooLarge)), "{r:?}");
 
-        let (mut client, mut server) = tokio::io::duplex(64);
-        client.write_all(&big[..100]).await.unwrap();
+        let small = client_hello(Some("vc.example.test"), 0);
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        client.write_all(&small[..small.len() - 1]).await.unwrap();
         drop(client);
         assert!(matches!(
             detect(&mut server, limits()).await,
@@ -165,11 +162,17 @@ mod tests {
         ));
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_silent_client_times_out() {
-        let (_client, mut server) = tokio::io::duplex(64);
+        let (mut client, mut server) = tokio::io::duplex(64);
+        // Three bytes of a record header, then nothing.
+        client.write_all(&[22, 3, 1]).await.unwrap();
+        let short = DetectLimits {
+            timeout: Duration::from_millis(50),
+            ..limits()
+        };
         assert!(matches!(
-            detect(&mut server, limits()).await,
+            detect(&mut server, short).await,
             Err(DetectError::Timeout)
         ));
     }

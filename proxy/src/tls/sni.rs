@@ -261,10 +261,8 @@ impl<'a> Reader<'a> {
 /// The SNI name of a complete ClientHello message (header included).
 fn client_hello_sni(msg: &[u8]) -> Result<Option<ServerName>, NotTls> {
     let mut r = Reader::new(msg.get(4..).unwrap_or_default(), "ClientHello version");
-    let version = r.take(2)?;
-    if version[0] != 3 {
-        return Err(NotTls::Malformed("ClientHello version is not 3.x"));
-    }
+    // legacy_version: not checked (rustls does not either; the record layer did).
+    r.take(2)?;
     r.what = "ClientHello random";
     r.take(32)?;
     let session = r.vec8("ClientHello session_id")?;
@@ -318,11 +316,12 @@ fn server_name(data: &[u8]) -> Result<Option<ServerName>, NotTls> {
     while !entries.is_empty() {
         entries.what = "server_name entry";
         let kind = entries.u8()?;
-        let name = entries.vec16("server_name host_name")?;
         if kind != 0 {
-            // Unknown name types are skipped (none are defined besides host_name).
-            continue;
+            // No other name type is defined, so its encoding, and where the next entry
+            // starts, is unknown: stop here (as rustls does).
+            break;
         }
+        let name = entries.vec16("server_name host_name")?;
         if found.is_some() {
             return Err(NotTls::Malformed("two host_name entries in server_name"));
         }
@@ -441,7 +440,10 @@ mod tests {
 
     #[test]
     fn refuses_what_is_not_a_hello() {
-        assert_eq!(parse(b"*1\r\n$4\r\nPING\r\n"), Parsed::NotTls(NotTls::NotHandshake));
+        assert_eq!(
+            parse(b"*1\r\n$4\r\nPING\r\n"),
+            Parsed::NotTls(NotTls::NotHandshake)
+        );
         assert_eq!(parse(b"G"), Parsed::NotTls(NotTls::NotHandshake));
         assert_eq!(parse(&[22, 2]), Parsed::NotTls(NotTls::NotHandshake));
         // A handshake record that carries a ServerHello.
@@ -467,6 +469,9 @@ mod tests {
         assert!(ServerName::new(b".").is_none());
         assert!(ServerName::new(&[b'a'; 300]).is_none());
         let hello = client_hello(Some("bad name"), 0);
-        assert!(matches!(parse(&hello), Parsed::NotTls(NotTls::Malformed(_))));
+        assert!(matches!(
+            parse(&hello),
+            Parsed::NotTls(NotTls::Malformed(_))
+        ));
     }
 }

@@ -12,6 +12,8 @@
 //!         id: 9be423741f0a3b818f633a9c16a1cf9ef42922d0   # optional Valkey node id
 //!         port: 31000                        # optional: a listener port of its own
 //!         rewrite: false                     # optional: per listener
+//!         tlsAddress: 10.0.0.2:6380          # optional: where the node speaks TLS (TLS port)
+//!         primary: true                      # optional: default node 0 of each shard
 //! rewrite: true          # optional: topology rewriting for all (default: --rewrite)
 //! ```
 //!
@@ -85,6 +87,13 @@ struct NodeLong {
     port: Option<u32>,
     #[serde(default)]
     rewrite: Option<bool>,
+    /// Where the node speaks TLS, if elsewhere than `address` (for the TLS port).
+    #[serde(default, rename = "tlsAddress")]
+    tls_address: Option<String>,
+    /// Whether the node is its shard's primary (for the shard's SNI name). The file cannot
+    /// know the live role: default node 0 of each shard.
+    #[serde(default)]
+    primary: Option<bool>,
 }
 
 /// Parses and validates a route file's content. `rewrite` is the default for listeners the
@@ -138,9 +147,24 @@ pub fn parse(path: &Path, text: &str, rewrite: bool) -> Result<Routes, FileError
         for (n, entry) in shard.nodes.iter().enumerate() {
             let at = format!("shards[{s}].nodes[{n}]");
             let node = NodeRef::new(s as u32, n as u32);
-            let (address, id, port, node_rewrite) = match entry {
-                NodeEntry::Short(a) => (a, None, None, None),
-                NodeEntry::Long(l) => (&l.address, l.id.clone(), l.port, l.rewrite),
+            let (address, id, port, node_rewrite, tls_address, primary) = match entry {
+                NodeEntry::Short(a) => (a, None, None, None, None, None),
+                NodeEntry::Long(l) => (
+                    &l.address,
+                    l.id.clone(),
+                    l.port,
+                    l.rewrite,
+                    l.tls_address.as_ref(),
+                    l.primary,
+                ),
+            };
+            let tls_backend = match tls_address {
+                Some(a) => Some(a.parse::<Backend>().map_err(
+                    |e: crate::route::backend::BackendError| {
+                        field(format!("{at}.tlsAddress"), e.to_string())
+                    },
+                )?),
+                None => None,
             };
             let backend: Backend =
                 address
@@ -183,6 +207,8 @@ pub fn parse(path: &Path, text: &str, rewrite: bool) -> Result<Routes, FileError
                     node_id: id.map(|i| i.to_ascii_lowercase()),
                     hostname: None,
                     rewrite: node_rewrite.or(file.rewrite).unwrap_or(rewrite),
+                    primary: primary.unwrap_or(n == 0),
+                    tls_backend,
                 }),
             );
         }

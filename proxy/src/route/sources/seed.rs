@@ -407,6 +407,11 @@ impl SeedSource {
                     node_id: Some(node.id.clone()),
                     hostname: node.hostname.clone(),
                     rewrite: self.rewrite,
+                    primary: node.primary,
+                    tls_backend: match (node.port, node.tls_port) {
+                        (Some(_), Some(tls)) => format!("{}:{tls}", node.ip).parse().ok(),
+                        _ => None,
+                    },
                 }),
             );
         }

@@ -1,0 +1,229 @@
+//! Termination's certificate, key and optional client CA bundle: loaded from PEM files into a
+//! rustls `ServerConfig` (ring provider, TLS 1.2 and 1.3 only), and reloaded when a file's
+//! content changes.
+//!
+//! The config in force sits in a `watch` channel. Each handshake takes the latest one when
+//! it starts, and a connection keeps the session it negotiated, so a reload drops nothing.
+//! A new version that does not load (a key that does not match the certificate, a file
+//! half written) is logged and counted, and the last good config stays. The files are
+//! polled, like the route file, because a Kubernetes Secret volume swaps a symlink.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{Metrics, ReasonLabels};
+
+/// The files of a terminating TLS port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertFiles {
+    /// The certificate chain (PEM), leaf first.
+    pub cert: PathBuf,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// With it, clients must present a certificate signed by one of these CAs (mTLS).
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Why a certificate, key or CA bundle did not load.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {what}: {message}")]
+    Pem {
+        path: PathBuf,
+        what: &'static str,
+        message: String,
+    },
+    #[error("{path}: {what}: {source}")]
+    Rustls {
+        path: PathBuf,
+        what: &'static str,
+        source: rustls::Error,
+    },
+    #[error("{path}: client CA bundle: {message}")]
+    ClientCa { path: PathBuf, message: String },
+}
+
+/// The crypto provider of every TLS config here: ring, as kube's rustls uses.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The protocol versions offered and accepted: TLS 1.3 and 1.2, nothing older.
+pub const VERSIONS: &[&rustls::SupportedProtocolVersion] =
+    &[&rustls::version::TLS13, &rustls::version::TLS12];
+
+fn read(path: &Path) -> Result<Vec<u8>, CertError> {
+    std::fs::read(path).map_err(|source| CertError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The certificates of a PEM bundle (at least one).
+pub fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, CertError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| CertError::Pem {
+            path: path.to_path_buf(),
+            what: "certificates",
+            message: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(CertError::Pem {
+            path: path.to_path_buf(),
+            what: "certificates",
+            message: "no CERTIFICATE block in the file".into(),
+        });
+    }
+    Ok(certs)
+}
+
+/// A root store of the CA certificates of a PEM bundle.
+pub fn roots(path: &Path, pem: &[u8]) -> Result<RootCertStore, CertError> {
+    let mut roots = RootCertStore::empty();
+    for cert in certificates(path, pem)? {
+        roots.add(cert).map_err(|e| CertError::ClientCa {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    }
+    Ok(roots)
+}
+
+/// The contents of the files, compared to notice a change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Contents(Vec<Vec<u8>>);
+
+impl CertFiles {
+    /// Reads every file.
+    pub fn read(&self) -> Result<Contents, CertError> {
+        let mut all = vec![read(&self.cert)?, read(&self.key)?];
+        if let Some(ca) = &self.client_ca {
+            all.push(read(ca)?);
+        }
+        Ok(Contents(all))
+    }
+
+    /// Builds the server config from the files' contents.
+    pub fn build(&self, contents: &Contents) -> Result<ServerConfig, CertError> {
+        let [cert_pem, key_pem, rest @ ..] = &contents.0[..] else {
+            return Err(CertError::Pem {
+                path: self.cert.clone(),
+                what: "internal",
+                message: "contents read without a certificate and a key".into(),
+            });
+        };
+        let chain = certificates(&self.cert, cert_pem)?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| CertError::Pem {
+            path: self.key.clone(),
+            what: "private key",
+            message: e.to_string(),
+        })?;
+        let provider = provider();
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(VERSIONS)
+            .map_err(|source| CertError::Rustls {
+                path: self.cert.clone(),
+                what: "protocol versions",
+                source,
+            })?;
+        let builder = match (&self.client_ca, rest.first()) {
+            (Some(path), Some(pem)) => {
+                let roots = roots(path, pem)?;
+                let verifier =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                        .build()
+                        .map_err(|e| CertError::ClientCa {
+                            path: path.clone(),
+                            message: e.to_string(),
+                        })?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            _ => builder.with_no_client_auth(),
+        };
+        builder
+            .with_single_cert(chain, key)
+            .map_err(|source| CertError::Rustls {
+                path: self.key.clone(),
+                what: "certificate and key",
+                source,
+            })
+    }
+
+    /// Reads and builds.
+    pub fn load(&self) -> Result<(ServerConfig, Contents), CertError> {
+        let contents = self.read()?;
+        Ok((self.build(&contents)?, contents))
+    }
+}
+
+/// The config in force, and its changes.
+pub type ServerConfigRx = watch::Receiver<Arc<ServerConfig>>;
+
+/// Polls `files` every `interval` until `shutdown`, and publishes each version that loads.
+pub async fn reload(
+    files: CertFiles,
+    mut seen: Contents,
+    tx: watch::Sender<Arc<ServerConfig>>,
+    interval: Duration,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) {
+    let count = |reason| {
+        metrics
+            .tls
+            .reloads
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    };
+    // The last content that failed, so that a bad version is reported once.
+    let mut failed: Option<Contents> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let files2 = files.clone();
+        let read = tokio::task::spawn_blocking(move || files2.read()).await;
+        let contents = match read {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                // A file mid-swap; it is read again next time.
+                tracing::debug!("TLS files: {e}");
+                continue;
+            }
+            Err(_) => continue,
+        };
+        if contents == seen || failed.as_ref() == Some(&contents) {
+            continue;
+        }
+        match files.build(&contents) {
+            Ok(config) => {
+                tx.send_replace(Arc::new(config));
+                seen = contents;
+                failed = None;
+                count("ok");
+                tracing::info!(cert = %files.cert.display(), "TLS certificate reloaded");
+            }
+            Err(e) => {
+                failed = Some(contents);
+                count("error");
+                tracing::error!("TLS certificate reload failed, keeping the one in force: {e}");
+            }
+        }
+    }
+}
