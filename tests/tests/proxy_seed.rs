@@ -81,10 +81,28 @@ async fn seed_discovery_gives_every_node_a_stable_port_and_follows_the_cluster()
     block_in_place(|| cluster.failover(NodeRef::new(0, 1))).unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     let after = proxy.routes().borrow().clone();
+    let placement = |t: &RouteTable| -> Vec<(u16, NodeRef, Option<SocketAddr>, Option<String>)> {
+        t.routes
+            .iter()
+            .map(|(p, r)| (*p, r.node, r.backend.socket_addr(), r.node_id.clone()))
+            .collect()
+    };
     assert_eq!(
-        after.routes, table.routes,
+        placement(&after),
+        placement(&table),
         "a failover renumbered the ports"
     );
+    // The live role moved: the TLS port's shard name follows it.
+    let primary = |t: &RouteTable, n: NodeRef| t.route(layout.port(n).unwrap()).unwrap().primary;
+    assert!(primary(&table, NodeRef::new(0, 0)) && !primary(&table, NodeRef::new(0, 1)));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !primary(&proxy.routes().borrow(), NodeRef::new(0, 1)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the new primary was never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // A node rescheduled at a new address keeps its port; the route follows.
     let moved = NodeRef::new(1, 1);
