@@ -22,15 +22,18 @@ pub struct Endpoint {
     pub host: Arc<str>,
     /// Whether `host` is an IP address (else a DNS name).
     pub host_is_ip: bool,
+    /// Whether `host` is an IPv6 address, written `[host]:port`.
+    pub host_is_ipv6: bool,
     pub port: u16,
 }
 
 impl Endpoint {
     pub fn new(host: Arc<str>, port: u16) -> Self {
-        let host_is_ip = host.parse::<IpAddr>().is_ok();
+        let ip = host.parse::<IpAddr>().ok();
         Endpoint {
             host,
-            host_is_ip,
+            host_is_ip: ip.is_some(),
+            host_is_ipv6: ip.is_some_and(|ip| ip.is_ipv6()),
             port,
         }
     }
@@ -39,8 +42,10 @@ impl Endpoint {
 /// Internal → external, built from a route table.
 #[derive(Debug, Clone, Default)]
 pub struct AddressMap {
+    /// Lowercase node id → endpoint.
     by_id: HashMap<Vec<u8>, Endpoint>,
-    by_addr: HashMap<(Vec<u8>, u16), Endpoint>,
+    /// Lowercase host → (port, endpoint) of the nodes there (one, or a few on one host).
+    by_addr: HashMap<Vec<u8>, Vec<(u16, Endpoint)>>,
     /// Whether the endpoints speak TLS (the SNI port): CLUSTER SHARDS then names the port as
     /// `tls-port` as well.
     tls: bool,
@@ -80,22 +85,25 @@ impl AddressMap {
                 Host::Ip(ip) => ip.to_string(),
                 Host::Dns(name) => name.clone(),
             };
-            map.by_addr
-                .insert((host.into_bytes(), route.backend.port), ext.clone());
+            map.add_addr(host.into_bytes(), route.backend.port, ext.clone());
             if let Some(tls) = &route.tls_backend {
                 let host = match &tls.host {
                     Host::Ip(ip) => ip.to_string(),
                     Host::Dns(name) => name.clone(),
                 };
-                map.by_addr
-                    .insert((host.into_bytes(), tls.port), ext.clone());
+                map.add_addr(host.into_bytes(), tls.port, ext.clone());
             }
             if let Some(h) = &route.hostname {
-                map.by_addr
-                    .insert((h.as_bytes().to_ascii_lowercase(), route.backend.port), ext);
+                map.add_addr(h.as_bytes().to_ascii_lowercase(), route.backend.port, ext);
             }
         }
         map
+    }
+
+    fn add_addr(&mut self, host: Vec<u8>, port: u16, ext: Endpoint) {
+        let at = self.by_addr.entry(host).or_default();
+        at.retain(|(p, _)| *p != port);
+        at.push((port, ext));
     }
 
     /// Whether the endpoints speak TLS.
@@ -105,7 +113,12 @@ impl AddressMap {
 
     /// The endpoint of the node with this Valkey id.
     pub fn endpoint_of_id(&self, id: &[u8]) -> Option<&Endpoint> {
-        self.by_id.get(&id.to_ascii_lowercase())
+        // Valkey writes ids in lowercase: look up without a copy then.
+        if id.iter().any(u8::is_ascii_uppercase) {
+            self.by_id.get(&id.to_ascii_lowercase())
+        } else {
+            self.by_id.get(id)
+        }
     }
 
     /// The endpoint of the node at this internal address (an IP or a DNS name).
@@ -114,8 +127,12 @@ impl AddressMap {
             .strip_prefix(b"[")
             .and_then(|h| h.strip_suffix(b"]"))
             .unwrap_or(host);
-        let key = (host.to_ascii_lowercase(), port);
-        self.by_addr.get(&key)
+        let at = if host.iter().any(u8::is_ascii_uppercase) {
+            self.by_addr.get(&host.to_ascii_lowercase())
+        } else {
+            self.by_addr.get(host)
+        }?;
+        at.iter().find(|(p, _)| *p == port).map(|(_, e)| e)
     }
 
     /// The external port of the node with this Valkey id.

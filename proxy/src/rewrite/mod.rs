@@ -61,24 +61,42 @@ pub fn rewrite(
     changed
 }
 
-/// Like [`rewrite`], then encodes the frame if it changed.
+/// Like [`rewrite`], then encodes the frame if it changed. `size` is the frame's encoded
+/// size, to allocate the output once.
 pub fn rewrite_to_bytes(
     map: &AddressMap,
     expect: &Expect,
     mut frame: Frame<'_>,
+    size: usize,
     report: &mut Report,
 ) -> Option<Vec<u8>> {
+    // A redirect, the one frequent rewrite: written straight out, without a frame round trip.
+    if let Frame::Error(line) = &frame {
+        let mut out = Vec::with_capacity(line.len() + 40);
+        out.push(b'-');
+        if !redirect::rewrite(map, line, report, &mut out) {
+            return None;
+        }
+        out.extend_from_slice(b"\r\n");
+        report.kinds.push(if line.starts_with(b"ASK") {
+            "ask"
+        } else {
+            "moved"
+        });
+        return Some(out);
+    }
     if !rewrite(map, expect, &mut frame, report) {
         return None;
     }
-    let mut out = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(size + size / 8 + 64);
     encode(&frame, &mut out);
     Some(out)
 }
 
 fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, report: &mut Report) {
     if let Frame::Error(line) = frame {
-        if let Some(new) = redirect::rewrite(map, line, report) {
+        let mut new = Vec::new();
+        if redirect::rewrite(map, line, report, &mut new) {
             *line = new.into();
         }
         return;

@@ -3,8 +3,13 @@
 use super::addresses::{parse_port, AddressMap};
 use super::Report;
 
-/// The rewritten error line (without `-` and CRLF), if it is a redirect to a known node.
-pub fn rewrite(map: &AddressMap, line: &[u8], report: &mut Report) -> Option<Vec<u8>> {
+/// Appends the rewritten error line (without `-` and CRLF) to `out` and returns true, if
+/// `line` is a redirect to a known node.
+pub fn rewrite(map: &AddressMap, line: &[u8], report: &mut Report, out: &mut Vec<u8>) -> bool {
+    write(map, line, report, out).is_some()
+}
+
+fn write(map: &AddressMap, line: &[u8], report: &mut Report, out: &mut Vec<u8>) -> Option<()> {
     let kind = if line.starts_with(b"MOVED ") {
         &b"MOVED"[..]
     } else if line.starts_with(b"ASK ") {
@@ -22,12 +27,12 @@ pub fn rewrite(map: &AddressMap, line: &[u8], report: &mut Report) -> Option<Vec
         return None;
     };
     report.rewritten += 1;
-    let mut out = Vec::with_capacity(line.len() + 16);
+    out.reserve(line.len() + ext.host.len());
     out.extend_from_slice(kind);
     out.push(b' ');
     out.extend_from_slice(slot);
     out.push(b' ');
-    if ext.host_is_ip && ext.host.contains(':') {
+    if ext.host_is_ipv6 {
         out.push(b'[');
         out.extend_from_slice(ext.host.as_bytes());
         out.push(b']');
@@ -36,5 +41,5 @@ pub fn rewrite(map: &AddressMap, line: &[u8], report: &mut Report) -> Option<Vec
     }
     out.push(b':');
     out.extend_from_slice(itoa::Buffer::new().format(ext.port).as_bytes());
-    Some(out)
+    Some(())
 }

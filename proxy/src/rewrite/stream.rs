@@ -142,7 +142,7 @@ impl ReplySide {
                                 Answer::InBand(e) => e,
                                 Answer::OutOfBand => crate::resp::pairing::Expect::Other,
                             };
-                            match rewrite_to_bytes(map, &expect, frame, report) {
+                            match rewrite_to_bytes(map, &expect, frame, whole.len(), report) {
                                 Some(new) => out.push(Segment::Owned(new)),
                                 None if buf.is_empty() => emit(out, start..end),
                                 None => out.push(Segment::Owned(buf)),
