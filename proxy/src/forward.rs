@@ -377,6 +377,9 @@ impl Forwarder {
                 }
                 m.replies.get_or_create(&RewriteLabels { kind }).inc_by(n);
             }
+            if report.refresh && report.unknown.is_empty() {
+                self.refresh.notify_one();
+            }
             if !report.unknown.is_empty() {
                 m.unknown_addresses.inc_by(report.unknown.len() as u64);
                 tracing::warn!(unknown = ?report.unknown, "reply names addresses no route knows; forwarded unchanged, refresh requested");

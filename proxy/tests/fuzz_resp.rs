@@ -157,6 +157,7 @@ fn routes() -> Routes {
                 rewrite: true,
                 primary: n % 2 == 1,
                 tls_backend: None,
+                slots: Vec::new(),
             };
             (30000 + n as u16, Arc::new(route))
         })

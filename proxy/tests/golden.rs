@@ -36,6 +36,7 @@ fn routes() -> Routes {
                 rewrite: true,
                 primary: i % 2 == 0,
                 tls_backend: None,
+                slots: Vec::new(),
             };
             (30000 + i as u16, Arc::new(route))
         })
@@ -349,4 +350,43 @@ fn pipelined_captures_in_one_stream() {
         String::from_utf8_lossy(&out),
         String::from_utf8_lossy(&want)
     );
+}
+
+#[test]
+fn redirects_without_a_host_are_mapped_by_slot_when_the_source_knows_slots() {
+    // Seed discovery knows each primary's slots (section 3 of the reference: unknown-endpoint
+    // and `?` redirects name only a port).
+    let mut routes = routes();
+    for (port, slots) in [
+        (30000u16, (0u16, 5460u16)),
+        (30001, (5461, 10922)),
+        (30002, (10923, 16383)),
+    ] {
+        let mut r = (*routes[&port]).clone();
+        r.slots = vec![slots];
+        routes.insert(port, Arc::new(r));
+    }
+    let map = AddressMap::new("203.0.113.7", &routes);
+    for (id, want) in [
+        ("c3-11", "-MOVED 12182 :30002\r\n"),
+        ("c3-03", "-MOVED 12182 ?:30002\r\n"),
+    ] {
+        let c = captures().into_iter().find(|c| c.id == id).unwrap();
+        let (out, report) = through_proxy(&map, &c.command, &c.reply, &[]);
+        assert_eq!(String::from_utf8(out).unwrap(), want, "{id}");
+        assert!(
+            report.unknown.is_empty() && report.refresh,
+            "{id}: {report:?}"
+        );
+    }
+    // Without slots (a route file), they stay whole and are reported.
+    let c = captures().into_iter().find(|c| c.id == "c3-11").unwrap();
+    let (out, report) = through_proxy(
+        &AddressMap::new("203.0.113.7", &self::routes()),
+        &c.command,
+        &c.reply,
+        &[],
+    );
+    assert_eq!(out, c.reply);
+    assert_eq!(report.unknown.len(), 1);
 }

@@ -15,6 +15,9 @@ use shardgate_crds::{node_hostname, Hostnames};
 
 use crate::route::{Host, Route, Routes};
 
+/// Hash slots in a cluster.
+const SLOTS: usize = 16384;
+
 /// Where external clients reach one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
@@ -49,6 +52,9 @@ pub struct AddressMap {
     /// Whether the endpoints speak TLS (the SNI port): CLUSTER SHARDS then names the port as
     /// `tls-port` as well.
     tls: bool,
+    /// Slot → index in `owners`, `u16::MAX` for none; empty when no route knows its slots.
+    by_slot: Vec<u16>,
+    owners: Vec<Endpoint>,
 }
 
 impl AddressMap {
@@ -93,6 +99,18 @@ impl AddressMap {
                 };
                 map.add_addr(host.into_bytes(), tls.port, ext.clone());
             }
+            if !route.slots.is_empty() && map.owners.len() < usize::from(u16::MAX) {
+                if map.by_slot.is_empty() {
+                    map.by_slot = vec![u16::MAX; SLOTS];
+                }
+                let owner = map.owners.len() as u16;
+                map.owners.push(ext.clone());
+                for &(from, to) in &route.slots {
+                    for slot in usize::from(from)..=usize::from(to).min(SLOTS - 1) {
+                        map.by_slot[slot] = owner;
+                    }
+                }
+            }
             if let Some(h) = &route.hostname {
                 map.add_addr(h.as_bytes().to_ascii_lowercase(), route.backend.port, ext);
             }
@@ -104,6 +122,13 @@ impl AddressMap {
         let at = self.by_addr.entry(host).or_default();
         at.retain(|(p, _)| *p != port);
         at.push((port, ext));
+    }
+
+    /// The endpoint of the primary that served `slot` at the last discovery, if known. Only
+    /// for redirects that name no host: the slot map is as old as the route table.
+    pub fn endpoint_of_slot(&self, slot: u16) -> Option<&Endpoint> {
+        let owner = *self.by_slot.get(usize::from(slot))?;
+        self.owners.get(usize::from(owner))
     }
 
     /// Whether the endpoints speak TLS.

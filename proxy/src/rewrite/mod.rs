@@ -31,6 +31,8 @@ pub struct Report {
     pub kinds: Vec<&'static str>,
     /// Addresses the map did not know (left as they were), as `host:port` or node id.
     pub unknown: Vec<String>,
+    /// Whether the route source should look again (a redirect was mapped by slot).
+    pub refresh: bool,
 }
 
 impl Report {

@@ -22,7 +22,23 @@ fn write(map: &AddressMap, line: &[u8], report: &mut Report, out: &mut Vec<u8>) 
     let addr = parts.next()?;
     let colon = addr.iter().rposition(|&b| b == b':')?;
     let (host, port) = (&addr[..colon], parse_port(&addr[colon + 1..])?);
-    let Some(ext) = map.endpoint_of_addr(host, port) else {
+    // No host (unknown-endpoint mode) or `?` (hostname mode without one): "the host you
+    // dialled", which through the proxy is right; only the port needs the slot's owner.
+    let special = host.is_empty() || host == b"?";
+    // Only MOVED names the slot's owner; ASK names the node importing it, which no slot map
+    // knows.
+    let ext = if special && kind == b"MOVED" {
+        let owner = std::str::from_utf8(slot)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .and_then(|s| map.endpoint_of_slot(s));
+        // The slot map may be stale right when slots move: look again soon.
+        report.refresh |= owner.is_some();
+        owner
+    } else {
+        map.endpoint_of_addr(host, port)
+    };
+    let Some(ext) = ext else {
         report.unknown(String::from_utf8_lossy(addr));
         return None;
     };
@@ -32,7 +48,11 @@ fn write(map: &AddressMap, line: &[u8], report: &mut Report, out: &mut Vec<u8>) 
     out.push(b' ');
     out.extend_from_slice(slot);
     out.push(b' ');
-    if ext.host_is_ipv6 {
+    // Per-port listeners share one host, so "the host you dialled" stays right; on the TLS
+    // port every node has a name of its own, which the client needs for SNI.
+    if special && !map.is_tls() {
+        out.extend_from_slice(host);
+    } else if ext.host_is_ipv6 {
         out.push(b'[');
         out.extend_from_slice(ext.host.as_bytes());
         out.push(b']');

@@ -33,6 +33,11 @@ pub struct Route {
     /// dials in passthrough mode and with `--tls-backend tls`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_backend: Option<Backend>,
+    /// The slot ranges the node serves as a primary, where the source knows them (seed
+    /// discovery): redirects that name no host (`-MOVED 12182 :6379`, the unknown-endpoint
+    /// mode) are mapped by slot.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub slots: Vec<(u16, u16)>,
 }
 
 impl Route {
@@ -47,6 +52,7 @@ impl Route {
             rewrite: false,
             primary: node.node.0 == 0,
             tls_backend: None,
+            slots: Vec::new(),
         }
     }
 

@@ -209,6 +209,7 @@ pub fn parse(path: &Path, text: &str, rewrite: bool) -> Result<Routes, FileError
                     rewrite: node_rewrite.or(file.rewrite).unwrap_or(rewrite),
                     primary: primary.unwrap_or(n == 0),
                     tls_backend,
+                    slots: Vec::new(),
                 }),
             );
         }

@@ -386,6 +386,16 @@ impl SeedSource {
             stride - 1,
             Some(stride),
         )?;
+        // A primary serves its shard's slots.
+        let slots_of: HashMap<&str, &[(u16, u16)]> = shards
+            .iter()
+            .flat_map(|s| {
+                s.nodes
+                    .iter()
+                    .filter(|n| n.primary)
+                    .map(|n| (n.id.as_str(), s.slots.as_slice()))
+            })
+            .collect();
         let mut routes = BTreeMap::new();
         for (r, node) in placed {
             let Some(port) = node.port.or(node.tls_port) else {
@@ -412,6 +422,10 @@ impl SeedSource {
                         (Some(_), Some(tls)) => format!("{}:{tls}", node.ip).parse().ok(),
                         _ => None,
                     },
+                    slots: slots_of
+                        .get(node.id.as_str())
+                        .map(|s| s.to_vec())
+                        .unwrap_or_default(),
                 }),
             );
         }
