@@ -57,7 +57,7 @@ use shardgate_proxy::route::{Backend, Route, Routes};
 /// The proxy's default buffer size: the reply side sees the stream in reads of this size.
 const READ: usize = 16 * 1024;
 /// The host external clients dial (a documentation address).
-const ADVERTISE: &str = "203.0.113.7";
+const ADVERTISE: &str = "127.0.77.70";
 const BASE_PORT: u32 = 30000;
 /// Each topology iteration pipelines copies of the reply up to at least this many bytes.
 const TOPOLOGY_BYTES: usize = 256 * 1024;

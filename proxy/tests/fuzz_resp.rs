@@ -306,7 +306,7 @@ fn fuzz_scanner_parser_and_rewriter() {
                 | 1
         });
     let all = seeds();
-    let map = AddressMap::new("203.0.113.7", &routes());
+    let map = AddressMap::new("127.0.77.70", &routes());
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut rng = Rng(seed);
     let mut rounds = 0u64;

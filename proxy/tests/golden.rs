@@ -168,7 +168,7 @@ fn unmappable_redirect(reply: &[u8]) -> bool {
 fn every_capture_keeps_its_shape_and_loses_every_internal_address() {
     let caps = captures();
     assert!(caps.len() > 100, "only {} captures", caps.len());
-    for host in ["203.0.113.7", "valkey.example.com"] {
+    for host in ["127.0.77.70", "valkey.example.com"] {
         let map = AddressMap::new(host, &routes());
         let mut rewritten = 0;
         for c in &caps {
@@ -231,17 +231,17 @@ fn golden(id: &str, host: &str) -> String {
 
 #[test]
 fn exact_rewrites() {
-    let ip = "203.0.113.7";
-    assert_eq!(golden("c1-06", ip), "-MOVED 12182 203.0.113.7:30002\r\n");
-    assert_eq!(golden("c1-18", ip), "-ASK 5061 203.0.113.7:30001\r\n");
-    assert_eq!(golden("c2-20", ip), "-MOVED 12182 203.0.113.7:30002\r\n");
+    let ip = "127.0.77.70";
+    assert_eq!(golden("c1-06", ip), "-MOVED 12182 127.0.77.70:30002\r\n");
+    assert_eq!(golden("c1-18", ip), "-ASK 5061 127.0.77.70:30001\r\n");
+    assert_eq!(golden("c2-20", ip), "-MOVED 12182 127.0.77.70:30002\r\n");
     assert_eq!(
         golden("c2-20", "valkey.example.com"),
         "-MOVED 12182 valkey.example.com:30002\r\n"
     );
     // CLUSTER SLOTS, RESP2: endpoint and port of every node.
     assert!(golden("c1-02", ip).starts_with(
-        "*3\r\n*4\r\n:0\r\n:5460\r\n*4\r\n$11\r\n203.0.113.7\r\n:30000\r\n$40\r\na539d95fb51874a91ad88b8f1c379041378f6000\r\n*0\r\n*4\r\n$11\r\n203.0.113.7\r\n:30004\r\n"
+        "*3\r\n*4\r\n:0\r\n:5460\r\n*4\r\n$11\r\n127.0.77.70\r\n:30000\r\n$40\r\na539d95fb51874a91ad88b8f1c379041378f6000\r\n*0\r\n*4\r\n$11\r\n127.0.77.70\r\n:30004\r\n"
     ));
     // Unknown endpoint: the NULL (RESP2 `$-1`, RESP3 `_`) stays, the port is the proxy's.
     let g = golden("c3-12", ip);
@@ -256,7 +256,7 @@ fn exact_rewrites() {
     );
     // CLUSTER NODES keeps the bus port and everything after the address.
     let g = golden("c1-04", ip);
-    assert!(g.contains("\na539d95fb51874a91ad88b8f1c379041378f6000 203.0.113.7:30000@16379 myself,master - 0 0 1 connected 0-5460\n"), "{g}");
+    assert!(g.contains("\na539d95fb51874a91ad88b8f1c379041378f6000 127.0.77.70:30000@16379 myself,master - 0 0 1 connected 0-5460\n"), "{g}");
     let g = golden("c1-04", "valkey.example.com");
     assert!(
         g.contains(" valkey.example.com:30000@16379,valkey.example.com myself,master "),
@@ -267,17 +267,17 @@ fn exact_rewrites() {
         golden("c8-02", ip).lines().take(5).collect::<Vec<_>>()[..4],
         ["*5", "$5", "slave", "$11"]
     );
-    assert!(golden("c8-02", ip).contains("203.0.113.7\r\n:30000\r\n"));
-    assert!(golden("c8-01", ip).contains("*3\r\n$11\r\n203.0.113.7\r\n$5\r\n30004\r\n"));
+    assert!(golden("c8-02", ip).contains("127.0.77.70\r\n:30000\r\n"));
+    assert!(golden("c8-01", ip).contains("*3\r\n$11\r\n127.0.77.70\r\n$5\r\n30004\r\n"));
     // INFO: master_host/master_port and slaveN lines.
     let g = golden("c8-06", ip);
     assert!(
-        g.contains("master_host:203.0.113.7\r\nmaster_port:30000\r\n"),
+        g.contains("master_host:127.0.77.70\r\nmaster_port:30000\r\n"),
         "{g}"
     );
     let g = golden("c8-05", ip);
     assert!(
-        g.contains("slave0:ip=203.0.113.7,port=30004,state=online"),
+        g.contains("slave0:ip=127.0.77.70,port=30004,state=online"),
         "{g}"
     );
     // Bulk lengths follow the new content.
@@ -290,8 +290,8 @@ fn exact_rewrites() {
 #[test]
 fn shards_in_both_protocols_and_with_hostnames() {
     // RESP3 map: ip and endpoint become the proxy, the port its listener, tls-port goes.
-    let g = golden("c1-09", "203.0.113.7");
-    assert!(g.contains("$2\r\nid\r\n$40\r\n9be423741f0a3b818f633a9c16a1cf9ef42922d0\r\n$4\r\nport\r\n:30002\r\n$2\r\nip\r\n$11\r\n203.0.113.7\r\n$8\r\nendpoint\r\n$11\r\n203.0.113.7\r\n"), "{g}");
+    let g = golden("c1-09", "127.0.77.70");
+    assert!(g.contains("$2\r\nid\r\n$40\r\n9be423741f0a3b818f633a9c16a1cf9ef42922d0\r\n$4\r\nport\r\n:30002\r\n$2\r\nip\r\n$11\r\n127.0.77.70\r\n$8\r\nendpoint\r\n$11\r\n127.0.77.70\r\n"), "{g}");
     // With hostnames announced and a proxy reached by name: hostname is the proxy's name,
     // and the internal IP key goes (its element count shrinks accordingly).
     let g = golden("c2-22", "valkey.example.com");
@@ -312,7 +312,7 @@ proptest! {
     ) {
         let caps = captures();
         let c = &caps[which % caps.len()];
-        let map = AddressMap::new("203.0.113.7", &routes());
+        let map = AddressMap::new("127.0.77.70", &routes());
         let whole = through_proxy(&map, &c.command, &c.reply, &[]);
         let split = through_proxy(&map, &c.command, &c.reply, &cuts);
         prop_assert_eq!(whole, split, "{}", c.id);
@@ -326,7 +326,7 @@ fn pipelined_captures_in_one_stream() {
         .into_iter()
         .filter(|c| !c.reply.starts_with(b">"))
         .collect();
-    let map = AddressMap::new("203.0.113.7", &routes());
+    let map = AddressMap::new("127.0.77.70", &routes());
     let shared = Shared::new(true);
     let mut req = RequestSide::new(Limits::default());
     let mut side = ReplySide::new(Limits::default());
@@ -366,7 +366,7 @@ fn redirects_without_a_host_are_mapped_by_slot_when_the_source_knows_slots() {
         r.slots = vec![slots];
         routes.insert(port, Arc::new(r));
     }
-    let map = AddressMap::new("203.0.113.7", &routes);
+    let map = AddressMap::new("127.0.77.70", &routes);
     for (id, want) in [
         ("c3-11", "-MOVED 12182 :30002\r\n"),
         ("c3-03", "-MOVED 12182 ?:30002\r\n"),
@@ -382,7 +382,7 @@ fn redirects_without_a_host_are_mapped_by_slot_when_the_source_knows_slots() {
     // Without slots (a route file), they stay whole and are reported.
     let c = captures().into_iter().find(|c| c.id == "c3-11").unwrap();
     let (out, report) = through_proxy(
-        &AddressMap::new("203.0.113.7", &self::routes()),
+        &AddressMap::new("127.0.77.70", &self::routes()),
         &c.command,
         &c.reply,
         &[],

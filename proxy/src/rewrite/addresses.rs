@@ -220,11 +220,11 @@ mod tests {
 
     #[test]
     fn one_host_many_ports_or_many_names_one_port() {
-        let plain = AddressMap::new("203.0.113.7", &routes());
+        let plain = AddressMap::new("127.0.77.70", &routes());
         let e = plain.endpoint_of_addr(b"10.0.0.3", 6379).unwrap();
         assert_eq!(
             (&*e.host, e.host_is_ip, e.port),
-            ("203.0.113.7", true, 30002)
+            ("127.0.77.70", true, 30002)
         );
         assert!(!plain.is_tls());
 
