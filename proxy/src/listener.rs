@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -91,38 +91,9 @@ impl Listeners {
         port: u16,
         stop: CancellationToken,
     ) {
-        let mut backoff = Duration::from_millis(5);
-        loop {
-            let accepted = tokio::select! {
-                _ = stop.cancelled() => return,
-                a = listener.accept() => a,
-            };
-            let (socket, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    self.metrics.routes.listener_errors.inc();
-                    tracing::error!(port, "accept failed: {e}; retrying in {backoff:?}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    continue;
-                }
-            };
-            backoff = Duration::from_millis(5);
-            let rejected = |reason| {
-                self.metrics
-                    .connections
-                    .rejected
-                    .get_or_create(&ReasonLabels { reason })
-                    .inc();
-            };
-            let Ok(permit) = self.limit.clone().try_acquire_owned() else {
-                rejected("connection_limit");
-                tracing::warn!(port, %peer, "connection limit reached; closing");
-                continue;
-            };
+        while let Some((socket, permit)) = self.accept(&listener, port, &stop).await {
             let Some(route) = self.routes.borrow().route(port).cloned() else {
-                rejected("no_route");
+                self.reject("no_route");
                 continue;
             };
             let forwarder = self.forwarder.clone();
@@ -143,10 +114,28 @@ impl Listeners {
     ) {
         let port = tls.port;
         tracing::info!(port, "TLS port listening (routed by SNI)");
+        while let Some((socket, permit)) = self.accept(&listener, port, &stop).await {
+            let tls = tls.clone();
+            self.connections.spawn(async move {
+                tls.serve(socket).await;
+                drop(permit);
+            });
+        }
+    }
+
+    /// The next connection within the connection limit, with its permit; `None` once `stop`
+    /// is cancelled. Connections past the limit are closed at once and counted; accept
+    /// errors (out of file descriptors and the like) back off instead of spinning.
+    async fn accept(
+        &self,
+        listener: &TcpListener,
+        port: u16,
+        stop: &CancellationToken,
+    ) -> Option<(TcpStream, OwnedSemaphorePermit)> {
         let mut backoff = Duration::from_millis(5);
         loop {
             let accepted = tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => return None,
                 a = listener.accept() => a,
             };
             let (socket, peer) = match accepted {
@@ -159,23 +148,21 @@ impl Listeners {
                     continue;
                 }
             };
-            backoff = Duration::from_millis(5);
-            let Ok(permit) = self.limit.clone().try_acquire_owned() else {
-                self.metrics
-                    .connections
-                    .rejected
-                    .get_or_create(&ReasonLabels {
-                        reason: "connection_limit",
-                    })
-                    .inc();
-                tracing::warn!(port, %peer, "connection limit reached; closing");
-                continue;
-            };
-            let tls = tls.clone();
-            self.connections.spawn(async move {
-                tls.serve(socket).await;
-                drop(permit);
-            });
+            match self.limit.clone().try_acquire_owned() {
+                Ok(permit) => return Some((socket, permit)),
+                Err(_) => {
+                    self.reject("connection_limit");
+                    tracing::warn!(port, %peer, "connection limit reached; closing");
+                }
+            }
         }
+    }
+
+    fn reject(&self, reason: &'static str) {
+        self.metrics
+            .connections
+            .rejected
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 }
