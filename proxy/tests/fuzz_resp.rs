@@ -10,8 +10,9 @@
 //! `SHARDGATE_FUZZ_SECONDS` sets the run time (default 10), `SHARDGATE_FUZZ_SEED` replays a
 //! run; a failure prints both and the input.
 
+use shardgate_tests::fuzz::{Rng, Run};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use shardgate_crds::NodeRef;
 use shardgate_proxy::resp::frame::parse;
@@ -20,21 +21,6 @@ use shardgate_proxy::resp::{Scan, Scanner};
 use shardgate_proxy::rewrite::stream::{flatten, Limits, ReplySide, RequestSide, Shared};
 use shardgate_proxy::rewrite::{AddressMap, Report};
 use shardgate_proxy::route::{Route, Routes};
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 fn seeds() -> Vec<Vec<u8>> {
     let text = include_str!("../testdata/valkey-9.1.2-captures.tsv");
@@ -85,7 +71,7 @@ fn mutate(rng: &mut Rng, input: &mut Vec<u8>, all: &[Vec<u8>]) {
             }
             1 if len > 0 => {
                 let i = rng.below(len);
-                input[i] = rng.next() as u8;
+                input[i] = rng.next_u64() as u8;
             }
             2 => {
                 let i = rng.below(len + 1);
@@ -291,27 +277,15 @@ fn one_case(rng: &mut Rng, all: &[Vec<u8>], map: &AddressMap) -> Result<(), Stri
 
 #[test]
 fn fuzz_scanner_parser_and_rewriter() {
-    let seconds: u64 = std::env::var("SHARDGATE_FUZZ_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
-    let seed: u64 = std::env::var("SHARDGATE_FUZZ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-                | 1
-        });
+    let run = Run::from_env(10);
+    let (seconds, seed) = (run.seconds, run.seed);
     let all = seeds();
     let map = AddressMap::new("127.0.77.70", &routes());
-    let deadline = Instant::now() + Duration::from_secs(seconds);
-    let mut rng = Rng(seed);
+    let deadline = run.deadline();
+    let mut rng = run.rng();
     let mut rounds = 0u64;
     while Instant::now() < deadline {
-        let round_seed = rng.next() | 1;
+        let round_seed = rng.next_u64() | 1;
         let mut case = Rng(round_seed);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             one_case(&mut case, &all, &map)

@@ -12,8 +12,9 @@
 //! `SHARDGATE_FUZZ_SECONDS` sets the run time (default 3 s); `SHARDGATE_FUZZ_SEED` replays a
 //! run (the seed is printed at the start and on failure).
 
+use shardgate_tests::fuzz::{Rng, Run};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use proptest::prelude::*;
 use rustls::pki_types::ServerName;
@@ -160,25 +161,6 @@ fn check(input: &[u8]) {
     }
 }
 
-/// xorshift64*: enough randomness for a mutator, and replayable from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-}
-
 fn mutate(rng: &mut Rng, seeds: &[Vec<u8>], input: &mut Vec<u8>) {
     let rounds = 1 + rng.below(4);
     for _ in 0..rounds {
@@ -190,12 +172,12 @@ fn mutate(rng: &mut Rng, seeds: &[Vec<u8>], input: &mut Vec<u8>) {
             }
             1 if len > 0 => {
                 let i = rng.below(len);
-                input[i] = rng.next() as u8;
+                input[i] = rng.next_u64() as u8;
             }
             2 => {
                 let i = rng.below(len + 1);
                 let n = 1 + rng.below(16);
-                let bytes: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                let bytes: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
                 input.splice(i..i, bytes);
             }
             3 if len > 0 => {
@@ -273,24 +255,12 @@ fn seeds_are_read_as_rustls_reads_them() {
 
 #[test]
 fn mutation_fuzz() {
-    let secs: u64 = std::env::var("SHARDGATE_FUZZ_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    let seed: u64 = std::env::var("SHARDGATE_FUZZ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-                | 1
-        });
+    let run = Run::from_env(3);
+    let (secs, seed) = (run.seconds, run.seed);
     eprintln!("fuzz_sni: SHARDGATE_FUZZ_SEED={seed} for {secs}s");
     let seeds = seeds();
-    let mut rng = Rng(seed);
-    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut rng = run.rng();
+    let deadline = run.deadline();
     let mut runs = 0u64;
     let mut outcomes = [0u64; 3];
     while Instant::now() < deadline {

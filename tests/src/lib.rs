@@ -12,6 +12,7 @@
 
 pub mod addr;
 pub mod clients;
+pub mod fuzz;
 pub mod http;
 pub mod kube;
 pub mod procs;
