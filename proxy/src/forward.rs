@@ -291,7 +291,7 @@ impl Forwarder {
                     side: Side::Client,
                     source,
                 })?;
-            to.write_all(&buf[..n])
+            send(&mut to, &buf[..n])
                 .await
                 .map_err(|source| ForwardError::Io {
                     side: Side::Backend,
@@ -348,7 +348,7 @@ impl Forwarder {
                 [] => 0,
                 [one] => {
                     let b = segment(&buf, one);
-                    to.write_all(b).await.map_err(|source| ForwardError::Io {
+                    send(&mut to, b).await.map_err(|source| ForwardError::Io {
                         side: Side::Client,
                         source,
                     })?;
@@ -359,7 +359,7 @@ impl Forwarder {
                     for seg in many {
                         out.extend_from_slice(segment(&buf, seg));
                     }
-                    to.write_all(&out)
+                    send(&mut to, &out)
                         .await
                         .map_err(|source| ForwardError::Io {
                             side: Side::Client,
@@ -389,6 +389,13 @@ impl Forwarder {
             clock.touch();
         }
     }
+}
+
+/// Writes all of `bytes` and flushes: a TLS stream may hold written bytes in its buffer
+/// when the socket was full, and nothing else would push them out (a no-op on TCP).
+async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    to.write_all(bytes).await?;
+    to.flush().await
 }
 
 fn segment<'a>(buf: &'a [u8], seg: &'a Segment) -> &'a [u8] {
@@ -423,7 +430,7 @@ where
             let _ = to.shutdown().await;
             return Ok(());
         }
-        to.write_all(&buf[..n])
+        send(&mut to, &buf[..n])
             .await
             .map_err(|source| ForwardError::Io {
                 side: to_side,
@@ -474,9 +481,12 @@ async fn idle(clock: &Activity, timeout: Option<Duration>) {
         return std::future::pending().await;
     };
     loop {
-        let deadline = clock.last() + timeout;
+        // A timeout too large to add to an instant means "never".
+        let Some(deadline) = clock.last().checked_add(timeout) else {
+            return std::future::pending().await;
+        };
         tokio::time::sleep_until(deadline).await;
-        if clock.last() + timeout <= Instant::now() {
+        if clock.last().checked_add(timeout).is_some_and(|d| d <= Instant::now()) {
             return;
         }
     }

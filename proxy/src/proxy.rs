@@ -189,7 +189,8 @@ impl Proxy {
             listen_ip: config.listen_ip,
             routes: routes.clone(),
             forwarder,
-            limit: Arc::new(Semaphore::new(config.max_connections)),
+            // Semaphore::new panics past MAX_PERMITS; no machine holds that many sockets anyway.
+            limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
             connections: connections.clone(),
             metrics: metrics.clone(),
             ready: ready.clone(),

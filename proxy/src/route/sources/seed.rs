@@ -22,6 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::resolve::Resolver;
+use crate::resp::{Scan, Scanner};
 use crate::route::{Backend, Route, RoutePublisher, RouteSource, Routes};
 
 /// The largest `CLUSTER SHARDS` reply accepted (a 1000-node cluster is well under 1 MiB).
@@ -92,12 +93,24 @@ pub async fn cluster_shards(
             .await
             .map_err(|e| node_err(format!("write: {e}")))?;
         let mut buf = BytesMut::with_capacity(16 * 1024);
+        // Our scanner finds the reply's end first: it bounds nesting (redis-protocol's
+        // decoder recurses without a limit, and a deep reply would overflow the stack) and
+        // resumes where it stopped, so the decoder runs once, on a complete reply.
+        let mut scanner = Scanner::default();
+        let mut scanned = 0;
         loop {
-            // Control path, once per refresh: a whole-frame decode per read is fine here.
-            match decode(&buf) {
-                Ok(Some((frame, _))) => return Ok(frame),
-                Ok(None) => {}
-                Err(e) => return Err(node_err(format!("malformed reply: {e}"))),
+            if scanned < buf.len() {
+                match scanner.scan(&buf, scanned) {
+                    Ok(Scan::Complete { .. }) => {
+                        return match decode(&buf) {
+                            Ok(Some((frame, _))) => Ok(frame),
+                            Ok(None) => Err(node_err("incomplete reply".into())),
+                            Err(e) => Err(node_err(format!("malformed reply: {e}"))),
+                        };
+                    }
+                    Ok(Scan::Incomplete) => scanned = buf.len(),
+                    Err(e) => return Err(node_err(format!("malformed reply: {e}"))),
+                }
             }
             if buf.len() > MAX_REPLY {
                 return Err(node_err(format!("reply larger than {MAX_REPLY} bytes")));
@@ -590,6 +603,23 @@ mod tests {
             (n.ip.as_str(), n.port, n.primary),
             ("127.0.10.1", Some(6379), true)
         );
+    }
+
+    #[tokio::test]
+    async fn a_deeply_nested_reply_is_an_error_not_a_stack_overflow() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut deep = b"*1\r\n".repeat(20_000);
+            deep.extend_from_slice(b":1\r\n");
+            let _ = s.write_all(&deep).await;
+            // Keep the connection open until the client gives up.
+            let mut b = [0u8; 64];
+            let _ = s.read(&mut b).await;
+        });
+        let err = cluster_shards(addr, Duration::from_secs(5)).await.unwrap_err();
+        assert!(err.to_string().contains("nested deeper"), "{err}");
     }
 
     #[test]
