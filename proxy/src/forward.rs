@@ -486,7 +486,11 @@ async fn idle(clock: &Activity, timeout: Option<Duration>) {
             return std::future::pending().await;
         };
         tokio::time::sleep_until(deadline).await;
-        if clock.last().checked_add(timeout).is_some_and(|d| d <= Instant::now()) {
+        if clock
+            .last()
+            .checked_add(timeout)
+            .is_some_and(|d| d <= Instant::now())
+        {
             return;
         }
     }

@@ -190,7 +190,9 @@ impl Proxy {
             routes: routes.clone(),
             forwarder,
             // Semaphore::new panics past MAX_PERMITS; no machine holds that many sockets anyway.
-            limit: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
+            limit: Arc::new(Semaphore::new(
+                config.max_connections.min(Semaphore::MAX_PERMITS),
+            )),
             connections: connections.clone(),
             metrics: metrics.clone(),
             ready: ready.clone(),

@@ -28,8 +28,13 @@ pub enum Expect {
     Role,
     /// INFO with the replication section in it.
     Info,
-    /// (P|S)(UN)SUBSCRIBE: confirmations come as pub/sub frames, or one error.
-    PubSub,
+    /// (P|S)(UN)SUBSCRIBE: one confirmation per channel (RESP2 arrays or RESP3 pushes), or
+    /// one error. `channels` is 0 for an UNSUBSCRIBE of everything, which ends at the
+    /// confirmation that reports no subscription left; `seen` counts those arrived.
+    PubSub {
+        channels: u64,
+        seen: u64,
+    },
     Monitor,
     Reset,
     /// EXEC whose transaction holds topology commands, in order.
@@ -41,7 +46,7 @@ impl Expect {
     pub fn is_topology(&self) -> bool {
         !matches!(
             self,
-            Expect::Other | Expect::PubSub | Expect::Monitor | Expect::Reset
+            Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset
         )
     }
 
@@ -86,7 +91,10 @@ impl Expect {
                 }
             }
             b"subscribe" | b"psubscribe" | b"ssubscribe" | b"unsubscribe" | b"punsubscribe"
-            | b"sunsubscribe" => Expect::PubSub,
+            | b"sunsubscribe" => Expect::PubSub {
+                channels: cmd.argc.saturating_sub(1),
+                seen: 0,
+            },
             b"monitor" => Expect::Monitor,
             b"reset" => Expect::Reset,
             _ => Expect::Other,
@@ -223,57 +231,65 @@ impl Pairing {
     pub fn capture(&self, ty: u8) -> bool {
         if self.monitor {
             // Only to spot RESET's reply among the monitor lines.
-            return ty == b'+' && matches!(self.front(), Some(Expect::Reset));
+            return ty == b'+' && self.queue.iter().any(|(e, _)| *e == Expect::Reset);
         }
-        if ty == b'>' {
-            return false;
+        let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
+        match ty {
+            b'-' => true,
+            // A push is out of band, but a subscribe waits for its confirmations in pushes.
+            b'>' => pubsub_front,
+            b'*' if self.subscribed || pubsub_front => true,
+            _ => self
+                .queue
+                .iter()
+                .map(|(e, _)| e)
+                .find(|e| !matches!(e, Expect::PubSub { .. }))
+                .is_some_and(Expect::is_topology),
         }
-        if ty == b'-' {
-            return true;
-        }
-        let pubsub_front = matches!(self.front(), Some(Expect::PubSub));
-        if ty == b'*' && (self.subscribed || pubsub_front) {
-            return true;
-        }
-        let next = self
-            .queue
-            .iter()
-            .map(|(e, _)| e)
-            .find(|e| **e != Expect::PubSub);
-        next.is_some_and(Expect::is_topology)
     }
 
     /// Places one complete reply frame. `frame` is given when it was captured.
     pub fn on_reply(&mut self, ty: u8, frame: Option<&Frame<'_>>) -> Answer {
         if self.monitor {
             let reset = matches!(frame, Some(Frame::Simple(s)) if s.as_ref() == b"RESET");
-            if !reset || !matches!(self.front(), Some(Expect::Reset)) {
+            if !reset {
                 return Answer::OutOfBand;
             }
-        }
-        if ty == b'>' {
-            return Answer::OutOfBand;
-        }
-        let pubsub_front = matches!(self.front(), Some(Expect::PubSub));
-        if ty == b'*' && (self.subscribed || pubsub_front) {
-            if let Some(kind) = frame.and_then(pubsub_kind) {
-                if kind != PubSubKind::Pong {
-                    if let PubSubKind::Confirmation(count) = kind {
-                        self.subscribed = count > 0;
-                    }
-                    return Answer::OutOfBand;
+            // Commands sent while monitoring got replies that were taken for monitor output;
+            // RESET's reply ends all that.
+            while let Some(e) = self.pop() {
+                if e == Expect::Reset {
+                    break;
                 }
             }
+            self.subscribed = false;
+            self.monitor = false;
+            return Answer::InBand(Expect::Reset);
         }
-        if pubsub_front {
+        let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
+        if ty == b'>' || (ty == b'*' && (self.subscribed || pubsub_front)) {
+            match frame.and_then(pubsub_kind) {
+                Some(PubSubKind::Confirmation(count)) => {
+                    self.subscribed = count > 0;
+                    self.confirmed(count);
+                    return Answer::OutOfBand;
+                }
+                // PING's reply in RESP2 subscribed mode is in band.
+                Some(PubSubKind::Pong) if ty == b'*' => {}
+                _ if ty == b'>' => return Answer::OutOfBand,
+                Some(PubSubKind::Message) => return Answer::OutOfBand,
+                _ => {}
+            }
+        }
+        if let Some(Expect::PubSub { seen: 0, .. }) = self.front() {
             if ty == b'-' {
                 // One error answers a whole subscribe command.
-                self.pop();
-                return Answer::InBand(Expect::PubSub);
+                return Answer::InBand(self.pop().unwrap_or(Expect::Other));
             }
-            while matches!(self.front(), Some(Expect::PubSub)) {
-                self.pop();
-            }
+        }
+        // An in-band reply: subscribe commands still ahead of it are over.
+        while matches!(self.front(), Some(Expect::PubSub { .. })) {
+            self.pop();
         }
         let expect = self.pop().unwrap_or(Expect::Other);
         match expect {
@@ -285,6 +301,32 @@ impl Pairing {
             _ => {}
         }
         Answer::InBand(expect)
+    }
+
+    /// A subscribe or unsubscribe confirmation arrived (`count`: subscriptions left): it
+    /// counts towards the subscribe command at the front, which ends with its last channel.
+    fn confirmed(&mut self, count: i64) {
+        let Some((Expect::PubSub { channels, seen }, n)) = self.queue.front_mut() else {
+            return; // Unasked (a slot moved away, say): nothing waits for it.
+        };
+        let (channels, seen) = (*channels, *seen + 1);
+        let done = if channels == 0 {
+            count <= 0
+        } else {
+            seen >= channels
+        };
+        // The front entry may stand for several identical commands: split this one off.
+        if *n > 1 {
+            *n -= 1;
+            if !done {
+                self.queue
+                    .push_front((Expect::PubSub { channels, seen }, 1));
+            }
+        } else if done {
+            self.queue.pop_front();
+        } else if let Some((Expect::PubSub { seen: s, .. }, _)) = self.queue.front_mut() {
+            *s = seen;
+        }
     }
 }
 
@@ -299,7 +341,7 @@ enum PubSubKind {
 
 /// Whether a RESP2 array is a pub/sub frame, by its first element.
 fn pubsub_kind(f: &Frame<'_>) -> Option<PubSubKind> {
-    let Frame::Array(b'*', items) = f else {
+    let Frame::Array(b'*' | b'>', items) = f else {
         return None;
     };
     let first = items.first()?.as_bytes()?;
@@ -434,7 +476,13 @@ mod tests {
         );
         assert_eq!(
             got,
-            vec![InBand(Expect::PubSub), InBand(Expect::ClusterSlots)]
+            vec![
+                InBand(Expect::PubSub {
+                    channels: 1,
+                    seen: 0
+                }),
+                InBand(Expect::ClusterSlots)
+            ]
         );
     }
 
@@ -470,6 +518,98 @@ mod tests {
                 InBand(Expect::Reset),
                 InBand(Expect::ClusterSlots)
             ]
+        );
+    }
+
+    #[test]
+    fn confirmations_end_their_subscribe_so_later_errors_stay_in_step() {
+        // Found in review: the subscribe's entry stayed, and the next error was taken for its.
+        let confirm = |kind: &str, ch: &str, n: u8| {
+            format!(
+                "*3\r\n${}\r\n{kind}\r\n${}\r\n{ch}\r\n:{n}\r\n",
+                kind.len(),
+                ch.len()
+            )
+            .into_bytes()
+        };
+        let push = |kind: &str, ch: &str, n: u8| {
+            let mut b = confirm(kind, ch, n);
+            b[0] = b'>';
+            b
+        };
+        let (s1, u0) = (confirm("subscribe", "a", 1), confirm("unsubscribe", "a", 0));
+        let got = pair(
+            b"SUBSCRIBE a\r\nUNSUBSCRIBE a\r\nEVALSHA x 0\r\nCLUSTER SLOTS\r\n",
+            &[&s1, &u0, b"-NOSCRIPT No matching script\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got[2..],
+            [InBand(Expect::Other), InBand(Expect::ClusterSlots)]
+        );
+        // Data that looks like a message, after the last unsubscribe, is data.
+        let got = pair(
+            b"SUBSCRIBE a\r\nUNSUBSCRIBE a\r\nLRANGE l 0 -1\r\nCLUSTER SLOTS\r\n",
+            &[
+                &s1,
+                &u0,
+                b"*3\r\n$7\r\nmessage\r\n$1\r\nx\r\n$1\r\ny\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            [
+                OutOfBand,
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+        // RESP3: confirmations are pushes.
+        let got = pair(
+            b"HELLO 3\r\nSUBSCRIBE ch\r\nGET k\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"%0\r\n",
+                &push("subscribe", "ch", 1),
+                b"-WRONGTYPE x\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got[2..],
+            [InBand(Expect::Other), InBand(Expect::ClusterSlots)]
+        );
+        // Unsubscribing from everything ends at the count of 0; identical pipelined
+        // subscribes each take their own confirmation.
+        let (s2, u1) = (confirm("subscribe", "b", 2), confirm("unsubscribe", "a", 1));
+        let u0b = confirm("unsubscribe", "b", 0);
+        let got = pair(
+            b"SUBSCRIBE a\r\nSUBSCRIBE b\r\nUNSUBSCRIBE\r\nCLUSTER SLOTS\r\n",
+            &[&s1, &s2, &u1, &u0b, b"*0\r\n"],
+        );
+        assert_eq!(got[4], InBand(Expect::ClusterSlots));
+        let got = pair(
+            b"SUBSCRIBE a\r\nSUBSCRIBE a\r\nROLE\r\n",
+            &[&s1, &s1, b"*0\r\n"],
+        );
+        assert_eq!(got[2], InBand(Expect::Role));
+    }
+
+    #[test]
+    fn replies_given_while_monitoring_do_not_trap_the_connection() {
+        let got = pair(
+            b"MONITOR\r\nGET a\r\nRESET\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"+OK\r\n",
+                b"+1 \"get\" \"a\"\r\n",
+                b"$-1\r\n",
+                b"+RESET\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got[3..],
+            [InBand(Expect::Reset), InBand(Expect::ClusterSlots)]
         );
     }
 

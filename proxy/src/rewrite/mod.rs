@@ -120,6 +120,6 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
                 }
             }
         }
-        Expect::Other | Expect::PubSub | Expect::Monitor | Expect::Reset => {}
+        Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset => {}
     }
 }

@@ -618,7 +618,9 @@ mod tests {
             let mut b = [0u8; 64];
             let _ = s.read(&mut b).await;
         });
-        let err = cluster_shards(addr, Duration::from_secs(5)).await.unwrap_err();
+        let err = cluster_shards(addr, Duration::from_secs(5))
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("nested deeper"), "{err}");
     }
 
