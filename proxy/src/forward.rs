@@ -278,6 +278,8 @@ impl Forwarder {
         let mut side = RequestSide::new(self.limits);
         let mut buf = vec![0u8; self.buffer_size];
         loop {
+            // Back-pressure on a client that pipelines far ahead of the replies.
+            shared.room_for_requests().await;
             let n = eof_ok(from.read(&mut buf).await).map_err(|source| ForwardError::Io {
                 side: Side::Client,
                 source,

@@ -158,8 +158,9 @@ impl<'a> Parser<'a> {
                 let Some(n) = Self::len(line)? else {
                     return Ok(Frame::Null(NullKind::Array));
                 };
+                // As the scanner counts: an empty aggregate opens no level.
                 self.depth += 1;
-                if self.depth > super::scanner::MAX_DEPTH {
+                if n > 0 && self.depth > super::scanner::MAX_DEPTH {
                     return Err(RespError::TooDeep);
                 }
                 let f = match ty {
@@ -257,6 +258,18 @@ mod tests {
             encode(&f, &mut out);
             assert_eq!(&out, input);
         }
+    }
+
+    #[test]
+    fn the_parser_accepts_what_the_scanner_accepts_at_the_depth_limit() {
+        use crate::resp::{scanner::MAX_DEPTH, Scan, Scanner};
+        let mut deep = b"*1\r\n".repeat(MAX_DEPTH);
+        deep.extend_from_slice(b"*0\r\n");
+        assert_eq!(Scanner::default().scan(&deep, 0), Ok(Scan::Complete { end: deep.len() }));
+        assert!(parse(&deep).is_ok());
+        let mut deeper = b"*1\r\n".repeat(MAX_DEPTH + 1);
+        deeper.extend_from_slice(b":1\r\n");
+        assert!(Scanner::default().scan(&deeper, 0).is_err() && parse(&deeper).is_err());
     }
 
     #[test]

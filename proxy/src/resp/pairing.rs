@@ -159,6 +159,11 @@ impl Pairing {
         self.queue.front().map(|(e, _)| e)
     }
 
+    /// Entries in the queue: runs of like commands (what costs memory).
+    pub fn entries(&self) -> usize {
+        self.queue.len()
+    }
+
     /// Replies still expected.
     pub fn pending(&self) -> u64 {
         self.queue.iter().map(|(_, n)| n).sum()

@@ -8,6 +8,8 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
+use tokio::sync::Notify;
+
 use super::{rewrite_to_bytes, AddressMap, Report};
 use crate::resp::frame::parse;
 use crate::resp::pairing::{Answer, Pairing};
@@ -35,12 +37,33 @@ impl Default for Limits {
 /// State shared by the two directions of one connection.
 pub struct Shared {
     pub pairing: Mutex<Pairing>,
+    /// Woken when the reply side has taken expected replies off a long queue.
+    room: Notify,
 }
+
+/// Queue entries (runs of like commands) that the request side may run ahead of the replies
+/// before it stops reading from the client: bounds the memory of a client that pipelines
+/// without reading. A million pipelined GETs are one entry.
+pub const MAX_PENDING: usize = 64 * 1024;
 
 impl Shared {
     pub fn new(rewrite_info: bool) -> Self {
         Shared {
             pairing: Mutex::new(Pairing::new(rewrite_info)),
+            room: Notify::new(),
+        }
+    }
+
+    /// Waits until the queue of expected replies is short enough to read more requests.
+    pub async fn room_for_requests(&self) {
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.pairing().entries() < MAX_PENDING {
+                return;
+            }
+            notified.await;
         }
     }
 
@@ -162,6 +185,9 @@ impl ReplySide {
             }
         }
         emit(out, pending..input.len());
+        if pairing.entries() < MAX_PENDING / 2 {
+            shared.room.notify_waiters();
+        }
         Ok(())
     }
 
@@ -198,4 +224,42 @@ pub fn flatten(input: &[u8], segments: &[Segment]) -> Vec<u8> {
         }
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_client_far_ahead_of_its_replies_waits_for_them() {
+        let shared = Shared::new(true);
+        let mut requests = RequestSide::new(Limits::default());
+        // Alternating commands cannot share queue entries.
+        let n = MAX_PENDING / 2 + 1;
+        requests
+            .observe(&b"PING\r\nROLE\r\n".repeat(n), &shared)
+            .unwrap();
+        let wait = tokio::time::timeout(Duration::from_millis(50), shared.room_for_requests());
+        assert!(
+            wait.await.is_err(),
+            "read on with {} entries queued",
+            shared.pairing().entries()
+        );
+
+        let replies = b"+PONG\r\n*0\r\n".repeat(n);
+        let mut side = ReplySide::new(Limits::default());
+        let (mut out, mut report) = (vec![], Report::default());
+        side.process(
+            &replies,
+            &shared,
+            &AddressMap::default(),
+            &mut out,
+            &mut report,
+        )
+        .unwrap();
+        let wait = tokio::time::timeout(Duration::from_secs(1), shared.room_for_requests());
+        assert!(wait.await.is_ok());
+        assert_eq!(shared.pairing().pending(), 0);
+    }
 }

@@ -75,11 +75,20 @@ where
 {
     let mut buf = BytesMut::with_capacity(1024.min(limits.max_bytes.max(1)));
     let read = async {
+        // What the headers already promise: parsing again before that much has arrived would
+        // only repeat work (quadratic for a client that sends a byte at a time).
+        let mut need = None;
         loop {
-            match sni::parse(&buf) {
+            let parsed = if need.is_some_and(|n| buf.len() < n) {
+                Parsed::Incomplete { need }
+            } else {
+                sni::parse(&buf)
+            };
+            match parsed {
                 Parsed::Hello { sni, .. } => return Ok(sni),
                 Parsed::NotTls(e) => return Err(DetectError::NotTls(e)),
-                Parsed::Incomplete { need } => {
+                Parsed::Incomplete { need: n } => {
+                    need = n;
                     if buf.len() >= limits.max_bytes || need.is_some_and(|n| n > limits.max_bytes) {
                         return Err(DetectError::TooLarge);
                     }
