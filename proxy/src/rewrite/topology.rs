@@ -210,9 +210,13 @@ pub fn shards(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
             if map.is_tls() {
                 // The SNI port: a TLS client reads `tls-port`, so it names the same port.
                 m.upsert(b"tls-port", int(ext.port));
-            } else {
-                // The node's TLS port is internal, and the per-port listeners speak plain.
+            } else if m.index(b"port").is_some() {
+                // The node's TLS port is internal, and this listener forwards its plain port.
                 m.remove(b"tls-port");
+            } else {
+                // A node that speaks TLS only: its listener forwards those bytes unchanged,
+                // so the listener is where a client finds its TLS port.
+                m.set(b"tls-port", int(ext.port));
             }
             if let Some(e) = m.index(b"endpoint") {
                 if !special_endpoint(m.value(e)) {
