@@ -265,7 +265,10 @@ mod tests {
         use crate::resp::{scanner::MAX_DEPTH, Scan, Scanner};
         let mut deep = b"*1\r\n".repeat(MAX_DEPTH);
         deep.extend_from_slice(b"*0\r\n");
-        assert_eq!(Scanner::default().scan(&deep, 0), Ok(Scan::Complete { end: deep.len() }));
+        assert_eq!(
+            Scanner::default().scan(&deep, 0),
+            Ok(Scan::Complete { end: deep.len() })
+        );
         assert!(parse(&deep).is_ok());
         let mut deeper = b"*1\r\n".repeat(MAX_DEPTH + 1);
         deeper.extend_from_slice(b":1\r\n");
