@@ -192,9 +192,8 @@ impl Forwarder {
                 backend: route.backend.to_string(),
                 source,
             })?;
-        // Small requests and replies must not wait for Nagle.
-        let _ = client.set_nodelay(true);
-        let _ = backend.set_nodelay(true);
+        tune(&client);
+        tune(&backend);
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
         let rewrite = route.rewrite.then_some(Addresses::Ports);
@@ -391,6 +390,17 @@ impl Forwarder {
             clock.touch();
         }
     }
+}
+
+/// Socket options for both legs: small requests and replies must not wait for Nagle, and
+/// keepalive finds peers that vanished without a FIN before the idle timeout would (or
+/// ever, with the idle timeout off).
+pub(crate) fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(60))
+        .with_interval(Duration::from_secs(10));
+    let _ = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive);
 }
 
 /// Writes all of `bytes` and flushes: a TLS stream may hold written bytes in its buffer

@@ -57,7 +57,7 @@ impl TlsServer {
     /// Serves one accepted connection. Every outcome is counted and logged here.
     pub async fn serve(&self, mut tcp: TcpStream) {
         let peer = tcp.peer_addr().ok();
-        let _ = tcp.set_nodelay(true);
+        crate::forward::tune(&tcp);
         let hello = match detect(&mut tcp, self.limits).await {
             Ok(h) => h,
             Err(e) => {
@@ -203,7 +203,7 @@ impl TlsServer {
             let backend = addr(route);
             match f.resolver.dial(backend, f.connect_timeout).await {
                 Ok(s) => {
-                    let _ = s.set_nodelay(true);
+                    crate::forward::tune(&s);
                     return Ok((s, route.clone()));
                 }
                 Err(source) => {
