@@ -26,8 +26,19 @@ pub fn announce_proxy(
 /// A route file for `cluster` behind listeners from `base_port`, with each node's address
 /// as it is now and its Valkey node id.
 pub fn routes_yaml(base_port: u16, cluster: &ValkeyCluster) -> String {
+    routes_yaml_with_tls(base_port, cluster, &[])
+}
+
+/// The same, with the address where each node speaks TLS (`tlsAddress`), node by node in
+/// shard order, for as many nodes as `tls` names.
+pub fn routes_yaml_with_tls(
+    base_port: u16,
+    cluster: &ValkeyCluster,
+    tls: &[std::net::SocketAddr],
+) -> String {
     let spec = cluster.spec();
     let mut out = format!("basePort: {base_port}\nshards:\n");
+    let mut tls = tls.iter();
     for s in 0..spec.shards {
         out.push_str("  - nodes:\n");
         for n in 0..=spec.replicas {
@@ -37,6 +48,9 @@ pub fn routes_yaml(base_port: u16, cluster: &ValkeyCluster) -> String {
                 node.addr(),
                 node.node_id
             ));
+            if let Some(t) = tls.next() {
+                out.push_str(&format!("        tlsAddress: {t}\n"));
+            }
         }
     }
     out

@@ -111,26 +111,8 @@ impl TlsProxy {
 /// A route file for `cluster`: each node's address and id, and its TLS address if given.
 fn routes_file(dir: &std::path::Path, cluster: &ValkeyCluster, tls: &[SocketAddr]) -> SourceConfig {
     let spec = cluster.spec();
-    let mut out = format!(
-        "basePort: {}\nshards:\n",
-        free_port_range(LO, (spec.shards * (spec.replicas + 1)) as u16)
-    );
-    let mut i = 0;
-    for s in 0..spec.shards {
-        out.push_str("  - nodes:\n");
-        for n in 0..=spec.replicas {
-            let node = cluster.node(NodeRef::new(s, n));
-            out.push_str(&format!(
-                "      - address: {}\n        id: {}\n",
-                node.addr(),
-                node.node_id
-            ));
-            if let Some(t) = tls.get(i) {
-                out.push_str(&format!("        tlsAddress: {t}\n"));
-            }
-            i += 1;
-        }
-    }
+    let base = free_port_range(LO, (spec.shards * (spec.replicas + 1)) as u16);
+    let out = shardgate_tests::routes::routes_yaml_with_tls(base, cluster, tls);
     let path = dir.join("routes.yaml");
     std::fs::write(&path, out).unwrap();
     SourceConfig::File {
