@@ -50,9 +50,9 @@ use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
 };
 use shardgate_crds::{NodeRef, PortLayout};
+use shardgate_proxy::model::{Backend, Route, Routes};
 use shardgate_proxy::rewrite::stream::{Limits, ReplySide, RequestSide, Segment, Shared};
 use shardgate_proxy::rewrite::{AddressMap, Report};
-use shardgate_proxy::route::{Backend, Route, Routes};
 
 /// The proxy's default buffer size: the reply side sees the stream in reads of this size.
 const READ: usize = 16 * 1024;

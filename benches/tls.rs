@@ -25,15 +25,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use shardgate_crds::Hostnames;
+use shardgate_harness::addr::free_port;
+use shardgate_harness::tls::TestPki;
+use shardgate_harness::tools::redis_benchmark;
+use shardgate_harness::valkey::Standalone;
+use shardgate_proxy::config::BackendTlsConfig;
+use shardgate_proxy::config::CertFiles;
+use shardgate_proxy::config::DetectLimits;
 use shardgate_proxy::config::{TlsConfig, TlsModeConfig};
-use shardgate_proxy::tls::backend::BackendTlsConfig;
-use shardgate_proxy::tls::certs::CertFiles;
-use shardgate_proxy::tls::DetectLimits;
 use shardgate_proxy::{Proxy, ProxyConfig, SourceConfig};
-use shardgate_tests::addr::free_port;
-use shardgate_tests::tls::TestPki;
-use shardgate_tests::tools::redis_benchmark;
-use shardgate_tests::valkey::Standalone;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
 

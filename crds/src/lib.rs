@@ -1,14 +1,25 @@
-//! Types and helpers shared by the shardgate operator and proxy.
+//! The contracts shared by the shardgate operator, the proxy and the tests.
 //!
 //! - [`ports`]: node identity (shard index, node index), flat indices and external ports.
 //! - [`names`]: hostnames (per shard, per node, bootstrap) and the labels on every object.
+//! - [`backend`]: a node's address as the proxy dials it (IP or DNS name, and a port).
+//! - [`route_file`]: the proxy's route file, one serde type for its reader and its writers.
+//! - [`settings`]: the proxy's settings: its command line, its defaults, and the arguments
+//!   that start it.
 //!
-//! Everything that turns a (shard, node) pair into a number or a name lives here, so that
-//! the operator, the proxy and the tests can never disagree about it.
+//! Everything that turns a (shard, node) pair into a number or a name, and every format
+//! that one half writes and the other reads, lives here, so that the operator, the proxy and
+//! the tests can never disagree about it.
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+pub mod backend;
 pub mod names;
 pub mod ports;
+pub mod route_file;
+pub mod settings;
 
+pub use backend::{Backend, BackendError, Host};
 pub use names::{bootstrap_hostname, node_hostname, shard_hostname, HostnameTarget, Hostnames};
 pub use ports::{NodeIndex, NodeRef, PortError, PortLayout, ShardIndex};
+pub use route_file::{NodeEntry, NodeSpec, RouteEntry, RouteFile, RouteFileError, ShardEntry};
+pub use settings::ProxySettings;

@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::route::RouteRx;
+use crate::source::RouteRx;
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -72,7 +72,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
 
 async fn routes(State(s): State<AdminState>) -> Response {
     let table = s.routes.borrow().clone();
-    match serde_json::to_string_pretty(&*table) {
+    match serde_json::to_string_pretty(&table.table) {
         Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }

@@ -1,15 +1,21 @@
-//! The proxy's settings (the binary fills them from its command line).
+//! The proxy's resolved configuration, built from the contracts crate's [`ProxySettings`]
+//! (the command line, whose defaults are the only ones): flags that need each other are
+//! checked here, and limits are clamped here, once.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use shardgate_crds::Hostnames;
+use shardgate_crds::settings::{defaults, TlsBackend, TlsMode};
+use shardgate_crds::{Hostnames, ProxySettings};
 
-use crate::route::Backend;
-use crate::tls::backend::BackendTlsConfig;
-use crate::tls::certs::CertFiles;
-use crate::tls::DetectLimits;
+use crate::model::Backend;
+
+// The types of the configuration's fields, public here whatever else the crate keeps.
+pub use crate::dial::BackendTlsConfig;
+pub use crate::rewrite::stream::Limits;
+pub use crate::tls::certs::CertFiles;
+pub use crate::tls::DetectLimits;
 
 /// The TLS port: one port for every node, routed by SNI name.
 #[derive(Debug, Clone)]
@@ -76,28 +82,249 @@ pub struct ProxyConfig {
     /// Also rewrite ROLE and INFO replication (on by default with rewriting).
     pub rewrite_info: bool,
     /// Limits of rewriting connections.
-    pub limits: crate::rewrite::stream::Limits,
+    pub limits: Limits,
     /// The TLS port, if any.
     pub tls: Option<TlsConfig>,
 }
 
+/// Settings that contradict each other. The message names the flags.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("one of --routes or --seed is required")]
+    NoSource,
+    #[error("--seed needs --base-port")]
+    SeedWithoutBasePort,
+    #[error("{0} needs --tls-port")]
+    NeedsTlsPort(&'static str),
+    #[error(
+        "{0} is for --tls-mode terminate; in passthrough mode the nodes hold the certificates"
+    )]
+    TerminateOnly(&'static str),
+    #[error("--tls-mode terminate needs --tls-cert and --tls-key (or use --tls-mode passthrough)")]
+    NoCertificate,
+    #[error("--tls-backend tls needs --tls-backend-ca")]
+    NoBackendCa,
+}
+
 impl ProxyConfig {
-    /// Defaults for everything but the source.
-    pub fn new(source: SourceConfig) -> Self {
-        ProxyConfig {
+    /// The configuration `settings` describe.
+    pub fn from_settings(settings: &ProxySettings) -> Result<Self, ConfigError> {
+        let source = match (
+            &settings.routes,
+            settings.seed.is_empty(),
+            settings.base_port,
+        ) {
+            (Some(path), _, _) => SourceConfig::File {
+                path: path.clone(),
+                poll: *settings.routes_poll,
+            },
+            (None, false, Some(base_port)) => SourceConfig::Seed {
+                seeds: settings.seed.clone(),
+                base_port,
+                ports_per_shard: settings.ports_per_shard,
+                refresh: *settings.refresh,
+            },
+            (None, false, None) => return Err(ConfigError::SeedWithoutBasePort),
+            (None, true, _) => return Err(ConfigError::NoSource),
+        };
+        let idle = *settings.idle_timeout;
+        Ok(ProxyConfig {
             source,
-            listen_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            admin_addr: Some(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 9090))),
-            max_connections: 10_000,
-            idle_timeout: Some(Duration::from_secs(3600)),
-            connect_timeout: Duration::from_secs(5),
-            drain_timeout: Duration::from_secs(25),
-            buffer_size: 16 * 1024,
-            rewrite: false,
-            advertise_host: None,
-            rewrite_info: true,
-            limits: crate::rewrite::stream::Limits::default(),
-            tls: None,
+            listen_ip: settings.listen_ip,
+            admin_addr: settings.admin_addr.0,
+            max_connections: settings.max_connections,
+            idle_timeout: (!idle.is_zero()).then_some(idle),
+            connect_timeout: *settings.connect_timeout,
+            drain_timeout: *settings.drain_timeout,
+            buffer_size: settings.buffer_size,
+            rewrite: settings.rewrite,
+            advertise_host: settings.advertise_host.clone(),
+            rewrite_info: !settings.no_rewrite_info,
+            limits: Limits {
+                max_frame: settings.max_frame,
+                ..Limits::default()
+            },
+            tls: tls_config(settings)?,
+        })
+    }
+
+    /// Every setting at its default, routes from `source`.
+    pub fn new(source: SourceConfig) -> Self {
+        let settings = match &source {
+            SourceConfig::File { path, .. } => ProxySettings::with_routes(path),
+            SourceConfig::Seed {
+                seeds, base_port, ..
+            } => ProxySettings::with_seeds(seeds.clone(), *base_port),
+        };
+        match Self::from_settings(&settings) {
+            Ok(config) => ProxyConfig { source, ..config },
+            Err(e) => unreachable!("the default settings with a source are valid: {e}"),
         }
+    }
+
+    /// The limits the proxy runs with: whatever was asked, within what works. The one place
+    /// limits are clamped.
+    pub fn clamped(mut self) -> Self {
+        self.buffer_size = self.buffer_size.max(defaults::MIN_BUFFER_SIZE);
+        // Semaphore::new panics past MAX_PERMITS; no machine holds that many sockets anyway.
+        self.max_connections = self
+            .max_connections
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        if let Some(tls) = &mut self.tls {
+            tls.detect.max_bytes = tls.detect.max_bytes.max(defaults::MIN_TLS_MAX_HELLO);
+        }
+        self
+    }
+}
+
+/// The TLS port's settings, checked for flags that need each other.
+fn tls_config(s: &ProxySettings) -> Result<Option<TlsConfig>, ConfigError> {
+    let Some(port) = s.tls_port else {
+        for (set, flag) in [
+            (s.tls_cert.is_some(), "--tls-cert"),
+            (s.tls_key.is_some(), "--tls-key"),
+            (s.tls_client_ca.is_some(), "--tls-client-ca"),
+            (s.tls_backend_ca.is_some(), "--tls-backend-ca"),
+        ] {
+            if set {
+                return Err(ConfigError::NeedsTlsPort(flag));
+            }
+        }
+        return Ok(None);
+    };
+    let names = Hostnames {
+        prefix: s.sni_prefix.clone().unwrap_or_default(),
+        domain: s.sni_domain.clone().unwrap_or_default(),
+    };
+    let mode = match s.tls_mode {
+        TlsMode::Passthrough => {
+            for (set, flag) in [
+                (s.tls_cert.is_some(), "--tls-cert"),
+                (s.tls_key.is_some(), "--tls-key"),
+                (s.tls_client_ca.is_some(), "--tls-client-ca"),
+                (s.tls_backend == TlsBackend::Tls, "--tls-backend tls"),
+            ] {
+                if set {
+                    return Err(ConfigError::TerminateOnly(flag));
+                }
+            }
+            TlsModeConfig::Passthrough
+        }
+        TlsMode::Terminate => {
+            let (Some(cert), Some(key)) = (s.tls_cert.clone(), s.tls_key.clone()) else {
+                return Err(ConfigError::NoCertificate);
+            };
+            let backend = match s.tls_backend {
+                TlsBackend::Plain => BackendTlsConfig::Plain,
+                TlsBackend::Tls => BackendTlsConfig::Tls {
+                    ca: s.tls_backend_ca.clone().ok_or(ConfigError::NoBackendCa)?,
+                    server_name: s.tls_backend_name.clone(),
+                },
+            };
+            TlsModeConfig::Terminate {
+                files: CertFiles {
+                    cert,
+                    key,
+                    client_ca: s.tls_client_ca.clone(),
+                },
+                reload: *s.tls_reload,
+                backend,
+            }
+        }
+    };
+    Ok(Some(TlsConfig {
+        port,
+        names,
+        mode,
+        detect: DetectLimits {
+            timeout: *s.tls_hello_timeout,
+            max_bytes: s.tls_max_hello,
+        },
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn config(args: &[&str]) -> Result<ProxyConfig, ConfigError> {
+        let settings = ProxySettings::try_parse_from(
+            std::iter::once("shardgate-proxy").chain(args.iter().copied()),
+        )
+        .unwrap();
+        ProxyConfig::from_settings(&settings)
+    }
+
+    #[test]
+    fn flags_that_need_each_other_are_named() {
+        for (args, want) in [
+            (
+                &["--routes", "r", "--tls-cert", "c"][..],
+                "--tls-cert needs --tls-port",
+            ),
+            (
+                &[
+                    "--routes",
+                    "r",
+                    "--tls-port",
+                    "6380",
+                    "--sni-prefix",
+                    "vc",
+                    "--sni-domain",
+                    "d",
+                    "--tls-mode",
+                    "passthrough",
+                    "--tls-key",
+                    "k",
+                ][..],
+                "--tls-key is for --tls-mode terminate",
+            ),
+            (
+                &[
+                    "--routes",
+                    "r",
+                    "--tls-port",
+                    "6380",
+                    "--sni-prefix",
+                    "vc",
+                    "--sni-domain",
+                    "d",
+                ][..],
+                "--tls-mode terminate needs --tls-cert and --tls-key",
+            ),
+        ] {
+            let err = config(args).unwrap_err().to_string();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn an_idle_timeout_of_zero_is_never_and_limits_are_clamped() {
+        let c = config(&[
+            "--routes",
+            "r",
+            "--idle-timeout",
+            "0s",
+            "--buffer-size",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(c.idle_timeout, None);
+        assert_eq!(c.buffer_size, 3);
+        assert_eq!(c.clamped().buffer_size, 512);
+    }
+
+    #[test]
+    fn new_takes_the_settings_defaults() {
+        let c = ProxyConfig::new(SourceConfig::File {
+            path: "r".into(),
+            poll: Duration::from_millis(7),
+        });
+        assert_eq!(c.connect_timeout, Duration::from_secs(5));
+        assert_eq!(c.admin_addr, Some("0.0.0.0:9090".parse().unwrap()));
+        assert!(
+            matches!(c.source, SourceConfig::File { poll, .. } if poll == Duration::from_millis(7))
+        );
     }
 }

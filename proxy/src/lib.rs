@@ -1,27 +1,55 @@
 //! shardgate-proxy: a tokio data plane that fronts a Valkey cluster.
 //!
-//! - [`route`]: the route table (listener port → Valkey node), its sources (a YAML file, a
-//!   seed node) and how a new table is published.
-//! - [`listener`]: one accept loop per port, and the supervisor that keeps the set of
-//!   listeners equal to the table's ports.
-//! - [`forward`]: one client connection: connect to its node, copy bytes both ways.
-//! - [`resolve`]: backends given by DNS name, resolved at connect time.
-//! - [`metrics`] and [`admin`]: Prometheus metrics, `/healthz`, `/readyz`, `/routes`.
-//! - [`tls`]: the TLS port, routed by SNI: passthrough or termination.
-//! - [`proxy`]: puts the parts together; [`config`] holds the settings.
+//! The modules layer one way: each imports only those above it in this list.
+//!
+//! - [`model`]: the route table (listener port → node); imports nothing else.
+//! - `resp`: the RESP scanner, frame model, request scanner and reply pairing.
+//! - `metrics`: Prometheus metrics, one struct per concern.
+//! - `rewrite`: the topology rewriters, the address map built from a table, and the
+//!   two-direction stream (where MOVED, CLUSTER SLOTS/SHARDS/NODES... are rewritten).
+//! - `tls`: the ClientHello parser and detector, SNI selection, certificates.
+//! - `dial`: reaching a node: resolver, connect timeout, socket options, the TLS leg.
+//! - `discovery`: `CLUSTER SHARDS` from seed nodes (the shared admin client) and sticky
+//!   indices.
+//! - `source`: route sources (a file, seed discovery) and the publisher (where the table is
+//!   swapped).
+//! - `conn`: where a connection lives: listeners, the copy loop, the TLS port.
+//! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/routes`.
+//! - [`config`] and [`app`]: the configuration from the settings, and the app that wires
+//!   the parts and drains on shutdown.
+//!
+//! `scripts/check-layers` checks the order (CI runs it). The modules shown in code font are
+//! the crate's own; the `test-util` feature makes them public for the tests, benchmarks and
+//! fuzzers.
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
-pub mod admin;
-pub mod config;
-pub mod forward;
-pub mod listener;
-pub mod metrics;
-pub mod proxy;
-pub mod resolve;
-pub mod resp;
-pub mod rewrite;
-pub mod route;
-pub mod tls;
+/// Modules the crate keeps to itself, public with `test-util` for tests, benches and fuzzers.
+macro_rules! internal {
+    ($($(#[$doc:meta])* $name:ident;)*) => {$(
+        $(#[$doc])*
+        #[cfg(feature = "test-util")]
+        pub mod $name;
+        $(#[$doc])*
+        #[cfg(not(feature = "test-util"))]
+        pub(crate) mod $name;
+    )*};
+}
 
-pub use config::{ProxyConfig, SourceConfig};
-pub use proxy::{Proxy, ProxyHandle};
+pub mod model;
+internal! {
+    resp;
+    metrics;
+    rewrite;
+    tls;
+    dial;
+    discovery;
+    source;
+    conn;
+    admin;
+}
+pub mod app;
+pub mod config;
+
+pub use app::{Proxy, ProxyHandle, StartError};
+pub use config::{ConfigError, ProxyConfig, SourceConfig, TlsConfig, TlsModeConfig};
+pub use source::{RouteRx, Snapshot};

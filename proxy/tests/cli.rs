@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use shardgate_tests::addr::{free_port, free_port_range};
-use shardgate_tests::http::{get, metric};
-use shardgate_tests::proxy_process::ProxyProcess;
+use shardgate_harness::addr::{free_port, free_port_range};
+use shardgate_harness::http::{get, metric};
+use shardgate_harness::proxy_process::ProxyProcess;
 
 const BIN: &str = env!("CARGO_BIN_EXE_shardgate-proxy");
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -213,7 +213,7 @@ fn an_unreachable_seed_is_reported_and_the_proxy_waits() {
 #[test]
 fn sigterm_drains_open_connections_then_exits_cleanly() {
     use std::io::{Read, Write};
-    let valkey = shardgate_tests::valkey::Standalone::start().unwrap();
+    let valkey = shardgate_harness::valkey::Standalone::start().unwrap();
     let base = free_port_range(LO, 1);
     let admin = SocketAddr::from((LO, free_port(LO)));
     let path = tmp_file(

@@ -10,17 +10,17 @@
 //! `SHARDGATE_FUZZ_SECONDS` sets the run time (default 10), `SHARDGATE_FUZZ_SEED` replays a
 //! run; a failure prints both and the input.
 
-use shardgate_tests::fuzz::{Rng, Run};
+use shardgate_harness::fuzz::{Rng, Run};
 use std::sync::Arc;
 use std::time::Instant;
 
 use shardgate_crds::NodeRef;
+use shardgate_proxy::model::{Route, Routes};
 use shardgate_proxy::resp::frame::parse;
 use shardgate_proxy::resp::request::RequestScanner;
 use shardgate_proxy::resp::{Scan, Scanner};
 use shardgate_proxy::rewrite::stream::{flatten, Limits, ReplySide, RequestSide, Shared};
 use shardgate_proxy::rewrite::{AddressMap, Report};
-use shardgate_proxy::route::{Route, Routes};
 
 fn seeds() -> Vec<Vec<u8>> {
     let text = include_str!("../testdata/valkey-9.1.2-captures.tsv");

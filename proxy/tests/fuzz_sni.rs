@@ -12,7 +12,7 @@
 //! `SHARDGATE_FUZZ_SECONDS` sets the run time (default 3 s); `SHARDGATE_FUZZ_SEED` replays a
 //! run (the seed is printed at the start and on failure).
 
-use shardgate_tests::fuzz::{Rng, Run};
+use shardgate_harness::fuzz::{Rng, Run};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use shardgate_crds::NodeRef;
+use shardgate_proxy::model::{Backend, Route, Routes};
 use shardgate_proxy::resp::{Scan, Scanner};
 use shardgate_proxy::rewrite::stream::{flatten, Limits, ReplySide, RequestSide, Shared};
 use shardgate_proxy::rewrite::{AddressMap, Report};
-use shardgate_proxy::route::{Backend, Route, Routes};
 
 /// The captured cluster: 127.0.10.N (hostname node-N.example.test) → proxy port 30000+N-1.
 const NODES: [(&str, &str); 6] = [

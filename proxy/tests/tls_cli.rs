@@ -7,10 +7,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde::Deserialize;
-use shardgate_tests::addr::free_port;
-use shardgate_tests::proxy_process::ProxyProcess;
-use shardgate_tests::tls::{self as ttls, command, text, TestPki};
-use shardgate_tests::valkey::Standalone;
+use shardgate_harness::addr::free_port;
+use shardgate_harness::proxy_process::ProxyProcess;
+use shardgate_harness::tls::{self as ttls, command, text, TestPki};
+use shardgate_harness::valkey::Standalone;
 
 const BIN: &str = env!("CARGO_BIN_EXE_shardgate-proxy");
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;

@@ -61,11 +61,8 @@ impl<'a> Frame<'a> {
         }
     }
 
-    pub fn is_null(&self) -> bool {
-        matches!(self, Frame::Null(_))
-    }
-
     /// The elements of an array-like frame.
+    #[cfg(any(test, feature = "test-util"))]
     pub fn items_mut(&mut self) -> Option<&mut Vec<Frame<'a>>> {
         match self {
             Frame::Array(_, items) => Some(items),

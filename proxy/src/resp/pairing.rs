@@ -165,6 +165,7 @@ impl Pairing {
     }
 
     /// Replies still expected.
+    #[cfg(any(test, feature = "test-util"))]
     pub fn pending(&self) -> u64 {
         self.queue.iter().map(|(_, n)| n).sum()
     }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use shardgate_crds::{node_hostname, Hostnames};
 
-use crate::route::{Host, Route, Routes};
+use crate::model::{Host, Route, Routes};
 
 /// Hash slots in a cluster.
 const SLOTS: usize = 16384;
@@ -202,7 +202,7 @@ pub(crate) fn parse_port(b: &[u8]) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::Backend;
+    use crate::model::Backend;
     use shardgate_crds::NodeRef;
 
     fn routes() -> Routes {

@@ -27,9 +27,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
+        use shardgate_crds::settings::defaults;
         Limits {
-            max_frame: 64 << 20,
-            max_line: 64 << 10,
+            max_frame: defaults::MAX_FRAME,
+            max_line: defaults::MAX_LINE,
         }
     }
 }
@@ -215,6 +216,7 @@ fn emit(out: &mut Vec<Segment>, r: Range<usize>) {
 }
 
 /// Concatenates the output for `input` (tests and benchmarks).
+#[cfg(any(test, feature = "test-util"))]
 pub fn flatten(input: &[u8], segments: &[Segment]) -> Vec<u8> {
     let mut v = Vec::with_capacity(input.len());
     for s in segments {

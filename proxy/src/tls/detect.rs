@@ -21,9 +21,10 @@ pub struct DetectLimits {
 
 impl Default for DetectLimits {
     fn default() -> Self {
+        use shardgate_crds::settings::defaults;
         DetectLimits {
-            timeout: Duration::from_secs(10),
-            max_bytes: 16 * 1024,
+            timeout: defaults::TLS_HELLO_TIMEOUT,
+            max_bytes: defaults::TLS_MAX_HELLO,
         }
     }
 }
@@ -40,19 +41,30 @@ pub struct Detected {
 /// Why no ClientHello was read. The `Display` text is the metric label.
 #[derive(Debug, thiserror::Error)]
 pub enum DetectError {
-    #[error("timeout")]
+    #[error("no whole ClientHello in time")]
     Timeout,
-    #[error("too_large")]
+    #[error("ClientHello too large")]
     TooLarge,
     #[error("{0}")]
     NotTls(NotTls),
-    #[error("closed")]
+    #[error("the client closed before a whole ClientHello")]
     Closed,
-    #[error("io")]
+    #[error("read: {0}")]
     Io(#[source] std::io::Error),
 }
 
 impl DetectError {
+    /// A metric label (`tls_refused_total{reason}`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            DetectError::NotTls(n) => n.label(),
+            DetectError::Timeout => "timeout",
+            DetectError::TooLarge => "too_large",
+            DetectError::Closed => "closed",
+            DetectError::Io(_) => "io",
+        }
+    }
+
     /// What happened, for logs.
     pub fn detail(&self, limits: &DetectLimits) -> String {
         match self {

@@ -5,22 +5,20 @@
 //! - [`prefixed`]: replays the bytes detection read, for the TLS acceptor.
 //! - [`select`]: SNI name → node(s), with the naming helpers of `shardgate-crds`.
 //! - [`certs`]: termination's certificate, key and client CA, loaded and reloaded on change.
-//! - [`backend`]: the TLS client of the backend leg (`--tls-backend tls`).
-//! - [`server`]: one connection on the TLS port: detect, route, then pass the TLS stream
-//!   through untouched or terminate it and forward (with topology rewriting) to the node.
+//!
+//! The parts that use these: the TLS client of the backend leg is [`crate::dial::tls`], and
+//! one connection on the TLS port (detect, route, then pass through or terminate and
+//! forward) is [`crate::conn::tls_port`].
 
-pub mod backend;
 pub mod certs;
 pub mod detect;
 pub mod prefixed;
 pub mod select;
-pub mod server;
 pub mod sni;
 
-pub use detect::{DetectError, DetectLimits};
+pub use detect::DetectLimits;
 pub use prefixed::PrefixedIo;
-pub use server::TlsServer;
-pub use sni::{NotTls, Parsed, ServerName};
+pub use sni::NotTls;
 
 /// TLS alert descriptions the proxy sends when it refuses a ClientHello (RFC 8446 §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +26,6 @@ pub use sni::{NotTls, Parsed, ServerName};
 pub enum Alert {
     HandshakeFailure = 40,
     DecodeError = 50,
-    InternalError = 80,
     MissingExtension = 109,
     UnrecognizedName = 112,
 }

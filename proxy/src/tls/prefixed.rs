@@ -20,9 +20,6 @@ impl<I> PrefixedIo<I> {
         PrefixedIo { prefix, io }
     }
 
-    pub fn get_ref(&self) -> &I {
-        &self.io
-    }
 }
 
 impl<I: AsyncRead + Unpin> AsyncRead for PrefixedIo<I> {

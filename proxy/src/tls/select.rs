@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use shardgate_crds::{HostnameTarget, Hostnames};
 
-use crate::route::{Route, RouteTable};
+use crate::model::{Route, RouteTable};
 
 /// Where a name routes: the candidates, in the order they are tried.
 #[derive(Debug, Clone)]
@@ -34,6 +34,7 @@ pub enum SelectError {
 }
 
 impl SelectError {
+    /// A metric label (`tls_refused_total{reason}`).
     pub fn label(&self) -> &'static str {
         match self {
             SelectError::Unknown(_) => "unknown_sni",
@@ -109,7 +110,7 @@ impl Selector {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::Routes;
+    use crate::model::Routes;
     use shardgate_crds::NodeRef;
 
     fn table(primary_of_shard_1: u32) -> RouteTable {

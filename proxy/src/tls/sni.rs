@@ -48,7 +48,7 @@ pub enum Parsed {
     Incomplete { need: Option<usize> },
 }
 
-/// Why the bytes are not a usable ClientHello. The `Display` text is a metric label.
+/// Why the bytes are not a usable ClientHello.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotTls {
     /// The first record is not a TLS handshake record (plain text, HTTP, RESP, ...).
@@ -61,15 +61,20 @@ pub enum NotTls {
 
 impl fmt::Display for NotTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            NotTls::NotHandshake => f.write_str("not_tls"),
-            NotTls::NotClientHello => f.write_str("not_client_hello"),
-            NotTls::Malformed(_) => f.write_str("malformed"),
-        }
+        f.write_str(self.detail())
     }
 }
 
 impl NotTls {
+    /// A metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            NotTls::NotHandshake => "not_tls",
+            NotTls::NotClientHello => "not_client_hello",
+            NotTls::Malformed(_) => "malformed",
+        }
+    }
+
     /// What is wrong, for logs.
     pub fn detail(&self) -> &'static str {
         match self {
@@ -98,6 +103,7 @@ impl ServerName {
         ok.then(|| ServerName(String::from_utf8_lossy(raw).to_ascii_lowercase()))
     }
 
+    #[cfg(any(test, feature = "test-util"))]
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -335,7 +341,7 @@ fn server_name(data: &[u8]) -> Result<Option<ServerName>, NotTls> {
 
 /// Test helpers: ClientHellos built by hand and re-fragmented (for this crate's tests, the
 /// fuzz test and the integration tests).
-#[doc(hidden)]
+#[cfg(any(test, feature = "test-util"))]
 pub mod testing {
     /// A minimal, valid ClientHello record with `sni` (or none) and `pad` bytes of padding
     /// extension.

@@ -1,0 +1,525 @@
+//! One client connection: dial its node, then copy bytes both ways.
+//!
+//! [`Forwarder::serve`] is the per-port path: a plain `TcpStream` split in place, no
+//! wrapping. [`Forwarder::relay`] is the copy itself, generic over the two streams' halves,
+//! which the TLS port uses with TLS streams (see [`super::tls_port`]).
+//!
+//! Both directions run the one copy loop ([`copy`]): read, let an [`Observer`] see the
+//! bytes and say what goes out, write, repeat. Plain forwarding observes nothing; a
+//! rewriting connection's request side notes the commands and its reply side rebuilds the
+//! topology replies (see [`crate::rewrite::stream`]).
+//!
+//! Each direction has one fixed buffer and writes what it read before it reads again, so a
+//! slow reader on one side stops reads on the other (back-pressure) and memory per
+//! connection is bounded by two buffers. Half-closes are forwarded: a client that shuts its
+//! write side still gets the replies in flight.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::dial::{DialError, Dialer};
+use crate::metrics::{BytesLabels, KindLabels, Metrics, PortLabels, ReasonLabels, RewriteLabels};
+use crate::model::{Backend, Route};
+use crate::resp::RespError;
+use crate::rewrite::stream::{Limits, ReplySide, RequestSide, Segment, Shared};
+use crate::rewrite::{AddressMap, Report};
+use crate::source::RouteRx;
+use tokio::sync::Notify;
+
+/// Which side an error came from (as pingora tags them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Backend,
+}
+
+/// Why a connection ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("backend {backend}: {source}")]
+    Dial {
+        backend: String,
+        #[source]
+        source: DialError,
+    },
+    #[error("{side:?} side: {source}")]
+    Io {
+        side: Side,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{side:?} side sent invalid RESP: {source}")]
+    Protocol {
+        side: Side,
+        #[source]
+        source: RespError,
+    },
+}
+
+impl ForwardError {
+    /// A metric label: how the connection ended (`connections_closed_total{reason}`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            ForwardError::Dial { .. } => "backend_unreachable",
+            ForwardError::Io {
+                side: Side::Backend,
+                ..
+            } => "backend_error",
+            ForwardError::Io {
+                side: Side::Client, ..
+            } => "client_error",
+            ForwardError::Protocol { .. } => "protocol_error",
+        }
+    }
+}
+
+impl Side {
+    /// A metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Side::Client => "client",
+            Side::Backend => "backend",
+        }
+    }
+}
+
+/// How a connection ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    /// Both sides closed.
+    Eof,
+    /// No bytes either way for the idle timeout.
+    Idle,
+    /// The drain timeout ran out during shutdown.
+    Drained,
+}
+
+impl Closed {
+    /// A metric label (`connections_closed_total{reason}`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Closed::Eof => "eof",
+            Closed::Idle => "idle_timeout",
+            Closed::Drained => "drain_timeout",
+        }
+    }
+}
+
+/// Which address map a rewriting connection hands out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Addresses {
+    /// The per-port listeners': the advertised host, one port per node.
+    Ports,
+    /// The TLS port's: one SNI name per node, the TLS port.
+    Sni,
+}
+
+/// What every connection shares.
+pub struct Forwarder {
+    pub dialer: Dialer,
+    pub metrics: Arc<Metrics>,
+    pub idle_timeout: Option<Duration>,
+    pub buffer_size: usize,
+    /// Cancelled when the drain timeout runs out: every connection still open then closes.
+    pub hard_stop: CancellationToken,
+    /// The latest table, whose address map rewriting listeners use.
+    pub routes: RouteRx,
+    pub rewrite_info: bool,
+    pub limits: Limits,
+    /// Wakes the route source when a reply names an address no route knows.
+    pub refresh: Arc<Notify>,
+}
+
+impl Forwarder {
+    /// Serves one accepted client connection on listener `port` with its route, taken at
+    /// accept time. Counts and logs the outcome.
+    pub async fn serve(&self, client: TcpStream, port: u16, route: Arc<Route>) {
+        let peer = client.peer_addr().ok();
+        self.account(
+            port,
+            peer,
+            &route.backend,
+            self.forward(client, port, &route),
+        )
+        .await;
+    }
+
+    /// Runs one connection's forwarding (`conn`) on listener `port`, counting it as
+    /// accepted and active while it runs, then counts and logs how it ended.
+    pub async fn account(
+        &self,
+        port: u16,
+        peer: Option<SocketAddr>,
+        backend: &Backend,
+        conn: impl Future<Output = Result<Closed, ForwardError>>,
+    ) {
+        let m = &self.metrics.connections;
+        m.accepted.get_or_create(&PortLabels { port }).inc();
+        let active = m.active.get_or_create(&PortLabels { port }).clone();
+        active.inc();
+        let outcome = conn.await;
+        active.dec();
+        let backend_error = match &outcome {
+            Err(ForwardError::Dial { source, .. }) => Some(source.label()),
+            Err(ForwardError::Io {
+                side: Side::Backend,
+                ..
+            }) => Some("io"),
+            _ => None,
+        };
+        if let Some(kind) = backend_error {
+            m.backend_errors
+                .get_or_create(&KindLabels { port, kind })
+                .inc();
+        }
+        if let Err(ForwardError::Protocol { side, .. }) = &outcome {
+            self.metrics
+                .rewrite
+                .protocol_errors
+                .get_or_create(&ReasonLabels {
+                    reason: side.label(),
+                })
+                .inc();
+        }
+        let reason = match &outcome {
+            Ok(closed) => closed.label(),
+            Err(e) => e.label(),
+        };
+        m.closed.get_or_create(&ReasonLabels { reason }).inc();
+        match outcome {
+            Ok(closed) => {
+                tracing::debug!(port, ?peer, backend = %backend, ?closed, "connection closed")
+            }
+            Err(e @ (ForwardError::Dial { .. } | ForwardError::Protocol { .. })) => {
+                tracing::warn!(port, ?peer, backend = %backend, "{e}")
+            }
+            Err(e) => {
+                tracing::debug!(port, ?peer, backend = %backend, "connection ended: {e}")
+            }
+        }
+    }
+
+    async fn forward(
+        &self,
+        mut client: TcpStream,
+        port: u16,
+        route: &Route,
+    ) -> Result<Closed, ForwardError> {
+        let mut backend =
+            self.dialer
+                .tcp(&route.backend)
+                .await
+                .map_err(|source| ForwardError::Dial {
+                    backend: route.backend.to_string(),
+                    source,
+                })?;
+        crate::dial::tune(&client);
+        let (cr, cw) = client.split();
+        let (br, bw) = backend.split();
+        let rewrite = route.rewrite.then_some(Addresses::Ports);
+        self.relay(port, rewrite, cr, cw, br, bw).await
+    }
+
+    /// Copies client → backend and backend → client until both are done, the connection
+    /// idles out or the drain ends. With `rewrite`, the replies' topology is rewritten to
+    /// that address map.
+    pub async fn relay<CR, CW, BR, BW>(
+        &self,
+        port: u16,
+        rewrite: Option<Addresses>,
+        cr: CR,
+        cw: CW,
+        br: BR,
+        bw: BW,
+    ) -> Result<Closed, ForwardError>
+    where
+        CR: AsyncRead + Unpin,
+        CW: AsyncWrite + Unpin,
+        BR: AsyncRead + Unpin,
+        BW: AsyncWrite + Unpin,
+    {
+        let m = &self.metrics.connections;
+        let up = m
+            .bytes
+            .get_or_create(&BytesLabels {
+                port,
+                direction: "to_backend",
+            })
+            .clone();
+        let down = m
+            .bytes
+            .get_or_create(&BytesLabels {
+                port,
+                direction: "to_client",
+            })
+            .clone();
+        let clock = Activity::new();
+        let (c2b, b2c) = (Side::Client, Side::Backend);
+        let size = self.buffer_size;
+        let copy = async {
+            if let Some(addresses) = rewrite {
+                let shared = Shared::new(self.rewrite_info);
+                let requests = Requests {
+                    side: RequestSide::new(self.limits),
+                    shared: &shared,
+                };
+                let replies = Replies {
+                    side: ReplySide::new(self.limits),
+                    shared: &shared,
+                    forwarder: self,
+                    addresses,
+                    segments: Vec::new(),
+                    out: Vec::new(),
+                };
+                tokio::try_join!(
+                    copy(cr, bw, size, requests, &up, &clock, c2b),
+                    copy(br, cw, size, replies, &down, &clock, b2c),
+                )
+                .map(|_| ())
+            } else {
+                tokio::try_join!(
+                    copy(cr, bw, size, Plain, &up, &clock, c2b),
+                    copy(br, cw, size, Plain, &down, &clock, b2c),
+                )
+                .map(|_| ())
+            }
+        };
+        tokio::select! {
+            r = copy => r.map(|_| Closed::Eof),
+            _ = idle(&clock, self.idle_timeout) => Ok(Closed::Idle),
+            _ = self.hard_stop.cancelled() => Ok(Closed::Drained),
+        }
+    }
+}
+
+impl Forwarder {
+    /// The address map a rewriting connection hands out now (the latest table's).
+    fn addresses(&self, addresses: Addresses) -> Arc<AddressMap> {
+        let snapshot = self.routes.borrow();
+        match addresses {
+            Addresses::Ports => snapshot.addresses.clone(),
+            Addresses::Sni => snapshot.tls_addresses.clone(),
+        }
+    }
+
+    /// Counts what one read's rewriting did, and wakes the route source when a reply named
+    /// an address no route knows.
+    fn record(&self, report: &Report) {
+        let m = &self.metrics.rewrite;
+        // One counter update per kind per read, not per reply.
+        let mut kinds = report.kinds.iter().peekable();
+        while let Some(kind) = kinds.next() {
+            let mut n = 1;
+            while kinds.next_if(|k| *k == kind).is_some() {
+                n += 1;
+            }
+            m.replies.get_or_create(&RewriteLabels { kind }).inc_by(n);
+        }
+        if report.refresh && report.unknown.is_empty() {
+            self.refresh.notify_one();
+        }
+        if !report.unknown.is_empty() {
+            m.unknown_addresses.inc_by(report.unknown.len() as u64);
+            tracing::warn!(unknown = ?report.unknown, "reply names addresses no route knows; forwarded unchanged, refresh requested");
+            self.refresh.notify_one();
+        }
+    }
+}
+
+/// What one direction of the copy loop does with the bytes it read: look at them, and say
+/// which bytes go out.
+trait Observer: Send {
+    /// Waits until the loop may read again (back-pressure); ready at once by default.
+    fn ready(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+
+    /// The bytes to write for `input`, the bytes just read.
+    fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError>;
+}
+
+/// Plain forwarding: every byte goes out as it came.
+struct Plain;
+
+impl Observer for Plain {
+    #[inline]
+    fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {
+        Ok(input)
+    }
+}
+
+/// Client → backend on a rewriting listener: the commands are noted, the bytes go on
+/// unchanged.
+struct Requests<'s> {
+    side: RequestSide,
+    shared: &'s Shared,
+}
+
+impl Observer for Requests<'_> {
+    /// Back-pressure on a client that pipelines far ahead of the replies.
+    fn ready(&self) -> impl Future<Output = ()> + Send {
+        self.shared.room_for_requests()
+    }
+
+    fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {
+        self.side.observe(input, self.shared)?;
+        Ok(input)
+    }
+}
+
+/// Backend → client on a rewriting listener: topology replies are rebuilt with the latest
+/// table's addresses; everything else goes on as it came.
+struct Replies<'s> {
+    side: ReplySide,
+    shared: &'s Shared,
+    forwarder: &'s Forwarder,
+    addresses: Addresses,
+    segments: Vec<Segment>,
+    /// Where several segments are gathered, so that one read makes one write (a copy is
+    /// cheaper than a syscall per rewritten reply).
+    out: Vec<u8>,
+}
+
+impl Observer for Replies<'_> {
+    fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {
+        let map = self.forwarder.addresses(self.addresses);
+        let mut report = Report::default();
+        self.segments.clear();
+        self.side
+            .process(input, self.shared, &map, &mut self.segments, &mut report)?;
+        self.forwarder.record(&report);
+        Ok(match self.segments.as_slice() {
+            [] => &[],
+            [one] => segment(input, one),
+            many => {
+                self.out.clear();
+                for seg in many {
+                    self.out.extend_from_slice(segment(input, seg));
+                }
+                &self.out
+            }
+        })
+    }
+}
+
+/// Writes all of `bytes` and flushes: a TLS stream may hold written bytes in its buffer
+/// when the socket was full, and nothing else would push them out (a no-op on TCP).
+async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    to.write_all(bytes).await?;
+    to.flush().await
+}
+
+fn segment<'a>(buf: &'a [u8], seg: &'a Segment) -> &'a [u8] {
+    match seg {
+        Segment::Input(r) => &buf[r.clone()],
+        Segment::Owned(v) => v.as_slice(),
+    }
+}
+
+/// The copy loop of one direction: reads from `from` (the `side` of the connection), lets
+/// `observer` say what goes out, writes it to `to`, until EOF; then half-closes `to`.
+async fn copy<R, W, O>(
+    mut from: R,
+    mut to: W,
+    buffer_size: usize,
+    mut observer: O,
+    bytes: &Counter,
+    clock: &Activity,
+    side: Side,
+) -> Result<(), ForwardError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+    O: Observer,
+{
+    let other = match side {
+        Side::Client => Side::Backend,
+        Side::Backend => Side::Client,
+    };
+    let mut buf = vec![0u8; buffer_size];
+    loop {
+        observer.ready().await;
+        let n = eof_ok(from.read(&mut buf).await)
+            .map_err(|source| ForwardError::Io { side, source })?;
+        if n == 0 {
+            // The peer may already be gone; that is not this connection's error.
+            let _ = to.shutdown().await;
+            return Ok(());
+        }
+        let out = observer
+            .observe(&buf[..n])
+            .map_err(|source| ForwardError::Protocol { side, source })?;
+        if !out.is_empty() {
+            send(&mut to, out).await.map_err(|source| ForwardError::Io {
+                side: other,
+                source,
+            })?;
+        }
+        bytes.inc_by(out.len() as u64);
+        clock.touch();
+    }
+}
+
+/// A read's result with `UnexpectedEof` taken as an end of stream: what rustls reports when a
+/// TLS peer closes TCP without a close_notify, as many clients do. For this relay it is an
+/// end like any other (RESP frames delimit themselves; the bytes that came are forwarded).
+fn eof_ok(read: std::io::Result<usize>) -> std::io::Result<usize> {
+    match read {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
+        other => other,
+    }
+}
+
+/// When bytes last moved, in milliseconds since the connection started.
+struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+}
+
+/// Resolves when nothing moved for `timeout`; never if `None`.
+async fn idle(clock: &Activity, timeout: Option<Duration>) {
+    let Some(timeout) = timeout else {
+        return std::future::pending().await;
+    };
+    loop {
+        // A timeout too large to add to an instant means "never".
+        let Some(deadline) = clock.last().checked_add(timeout) else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep_until(deadline).await;
+        if clock
+            .last()
+            .checked_add(timeout)
+            .is_some_and(|d| d <= Instant::now())
+        {
+            return;
+        }
+    }
+}

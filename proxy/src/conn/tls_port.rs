@@ -1,0 +1,271 @@
+//! One connection on the TLS port.
+//!
+//! 1. Read the ClientHello ([`detect`](crate::tls::detect)) and its SNI name, under the hello
+//!    timeout and byte cap.
+//! 2. Route the name ([`select`](crate::tls::select)). A connection that is not TLS, has no SNI
+//!    or names nothing of this cluster is refused: a TLS alert where the client speaks
+//!    TLS, a count in `tls_refused_total{reason}`, and no backend connection.
+//! 3. Passthrough: dial the node's TLS address, send it the hello as it came, then copy
+//!    bytes both ways; the TLS session is the client's and the node's.
+//!    Terminate: complete the handshake with rustls (the certificate in force when it
+//!    starts), dial the node (plain or TLS), and forward, with topology rewriting to the
+//!    nodes' SNI names on this port when the route rewrites.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+
+use super::forward::{Addresses, Closed, ForwardError, Forwarder, Side};
+use crate::dial::BackendTls;
+use crate::metrics::{Metrics, TlsTargetLabels, TlsVersionLabels};
+use crate::model::{Backend, Route};
+use crate::source::RouteRx;
+use crate::tls::certs::ServerConfigRx;
+use crate::tls::detect::{detect, DetectError, DetectLimits};
+use crate::tls::select::{Selected, Selector};
+use crate::tls::{Alert, NotTls, PrefixedIo};
+
+/// What the TLS port does with a routed connection.
+pub enum TlsMode {
+    /// Forward the TLS stream untouched to the node's TLS address.
+    Passthrough,
+    /// Terminate TLS here; `backend`: `None` for a plain backend leg.
+    Terminate {
+        config: ServerConfigRx,
+        backend: Option<BackendTls>,
+    },
+}
+
+/// Everything the TLS port's connections share.
+pub struct TlsServer {
+    pub port: u16,
+    pub selector: Selector,
+    pub mode: TlsMode,
+    pub limits: DetectLimits,
+    pub forwarder: Arc<Forwarder>,
+    pub routes: RouteRx,
+    pub metrics: Arc<Metrics>,
+}
+
+impl TlsServer {
+    /// Serves one accepted connection. Every outcome is counted and logged here.
+    pub async fn serve(&self, mut tcp: TcpStream) {
+        let peer = tcp.peer_addr().ok();
+        crate::dial::tune(&tcp);
+        let hello = match detect(&mut tcp, self.limits).await {
+            Ok(h) => h,
+            Err(e) => {
+                let alert = match &e {
+                    DetectError::NotTls(NotTls::Malformed(_) | NotTls::NotClientHello) => {
+                        Some(Reply::Alert(Alert::DecodeError))
+                    }
+                    DetectError::TooLarge => Some(Reply::Alert(Alert::HandshakeFailure)),
+                    // Not TLS: a TLS alert would mean nothing to it, but a RESP client
+                    // shows an error line.
+                    DetectError::NotTls(NotTls::NotHandshake) => Some(Reply::Resp(NOT_TLS_REPLY)),
+                    // Timed out, closed or broken: nobody is listening.
+                    _ => None,
+                };
+                let reason = e.label();
+                let detail = e.detail(&self.limits);
+                return self.refuse(tcp, peer, reason, alert, &detail).await;
+            }
+        };
+        let Some(name) = hello.sni else {
+            return self
+                .refuse(
+                    tcp,
+                    peer,
+                    "no_sni",
+                    Some(Reply::Alert(Alert::MissingExtension)),
+                    "ClientHello without SNI (this port routes by server name)",
+                )
+                .await;
+        };
+        let table = self.routes.borrow().clone();
+        let selected = match self.selector.select(&table, &name) {
+            Ok(s) => s,
+            Err(e) => {
+                let detail = e.to_string();
+                return self
+                    .refuse(
+                        tcp,
+                        peer,
+                        e.label(),
+                        Some(Reply::Alert(Alert::UnrecognizedName)),
+                        &detail,
+                    )
+                    .await;
+            }
+        };
+        self.metrics
+            .tls
+            .routed
+            .get_or_create(&TlsTargetLabels {
+                target: selected.target,
+            })
+            .inc();
+        let first = selected.candidates[0].clone();
+        match &self.mode {
+            TlsMode::Passthrough => {
+                let backend = first.tls_backend().clone();
+                let conn = self.passthrough(tcp, hello.prefix, &selected);
+                self.forwarder
+                    .account(self.port, peer, &backend, conn)
+                    .await;
+            }
+            TlsMode::Terminate { config, backend } => {
+                let acceptor = TlsAcceptor::from(config.borrow().clone());
+                let accept = acceptor.accept(PrefixedIo::new(hello.prefix, tcp));
+                let client = match tokio::time::timeout(self.limits.timeout, accept).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        // rustls has sent its alert already.
+                        self.metrics.tls.refuse("handshake");
+                        tracing::info!(port = self.port, ?peer, sni = %name, "TLS handshake failed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        self.metrics.tls.refuse("timeout");
+                        tracing::info!(port = self.port, ?peer, sni = %name, "TLS handshake timed out");
+                        return;
+                    }
+                };
+                let version = match client.get_ref().1.protocol_version() {
+                    Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1_3",
+                    Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1_2",
+                    _ => "other",
+                };
+                self.metrics
+                    .tls
+                    .handshakes
+                    .get_or_create(&TlsVersionLabels { version })
+                    .inc();
+                let shown = match backend {
+                    Some(_) => first.tls_backend().clone(),
+                    None => first.backend.clone(),
+                };
+                let conn = self.terminate(client, backend.as_ref(), &selected);
+                self.forwarder.account(self.port, peer, &shown, conn).await;
+            }
+        }
+    }
+
+    /// Refuses a connection before any backend is dialled.
+    async fn refuse(
+        &self,
+        mut tcp: TcpStream,
+        peer: Option<SocketAddr>,
+        reason: &'static str,
+        reply: Option<Reply>,
+        detail: &str,
+    ) {
+        self.metrics.tls.refuse(reason);
+        tracing::info!(
+            port = self.port,
+            ?peer,
+            reason,
+            "TLS port refused a connection: {detail}"
+        );
+        if let Some(reply) = reply {
+            let send = async {
+                match reply {
+                    Reply::Alert(a) => tcp.write_all(&a.record()).await?,
+                    Reply::Resp(line) => tcp.write_all(line).await?,
+                }
+                tcp.shutdown().await
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(1), send).await;
+        }
+    }
+
+    /// Dials the candidates in turn at `addr(route)`; the first that answers wins.
+    async fn dial(
+        &self,
+        selected: &Selected,
+        addr: impl Fn(&Route) -> &Backend,
+    ) -> Result<(TcpStream, Arc<Route>), ForwardError> {
+        self.forwarder
+            .dialer
+            .first(&selected.candidates, &addr)
+            .await
+            .map_err(|source| ForwardError::Dial {
+                backend: selected
+                    .candidates
+                    .first()
+                    .map_or_else(|| "(none)".into(), |r| addr(r).to_string()),
+                source,
+            })
+    }
+
+    async fn passthrough(
+        &self,
+        mut client: TcpStream,
+        hello: BytesMut,
+        selected: &Selected,
+    ) -> Result<Closed, ForwardError> {
+        let (mut backend, _) = self.dial(selected, Route::tls_backend).await?;
+        backend
+            .write_all(&hello)
+            .await
+            .map_err(|source| ForwardError::Io {
+                side: Side::Backend,
+                source,
+            })?;
+        let (cr, cw) = client.split();
+        let (br, bw) = backend.split();
+        self.forwarder.relay(self.port, None, cr, cw, br, bw).await
+    }
+
+    async fn terminate(
+        &self,
+        client: tokio_rustls::server::TlsStream<PrefixedIo<TcpStream>>,
+        backend_tls: Option<&BackendTls>,
+        selected: &Selected,
+    ) -> Result<Closed, ForwardError> {
+        let (cr, cw) = tokio::io::split(client);
+        match backend_tls {
+            None => {
+                let (mut backend, route) = self.dial(selected, |r| &r.backend).await?;
+                let rewrite = route.rewrite.then_some(Addresses::Sni);
+                let (br, bw) = backend.split();
+                self.forwarder
+                    .relay(self.port, rewrite, cr, cw, br, bw)
+                    .await
+            }
+            Some(tls) => {
+                let (tcp, route) = self.dial(selected, Route::tls_backend).await?;
+                let at = route.tls_backend();
+                let dialer = &self.forwarder.dialer;
+                let dial_error = |source| ForwardError::Dial {
+                    backend: at.to_string(),
+                    source,
+                };
+                let name = tls
+                    .name_for(self.selector.names(), route.node, at)
+                    .map_err(dial_error)?;
+                let backend = dialer.tls(tcp, tls, name, at).await.map_err(dial_error)?;
+                let rewrite = route.rewrite.then_some(Addresses::Sni);
+                let (br, bw) = tokio::io::split(backend);
+                self.forwarder
+                    .relay(self.port, rewrite, cr, cw, br, bw)
+                    .await
+            }
+        }
+    }
+}
+
+/// What a refused client is told.
+enum Reply {
+    Alert(Alert),
+    Resp(&'static [u8]),
+}
+
+/// The error line a client that speaks RESP in plain text gets.
+const NOT_TLS_REPLY: &[u8] =
+    b"-ERR this port speaks TLS only: connect with TLS and a server name (SNI)\r\n";

@@ -1,7 +1,0 @@
-//! The producers of route tables.
-
-pub mod file;
-pub mod seed;
-
-pub use file::FileSource;
-pub use seed::SeedSource;

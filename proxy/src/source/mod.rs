@@ -1,0 +1,34 @@
+//! Where route tables come from, and how they are swapped in.
+//!
+//! - [`publisher`]: the [`RoutePublisher`] that validates a table against the proxy's own
+//!   sockets, builds its address maps and swaps the [`Snapshot`] that every listener reads
+//!   ([`RouteRx`]). This is where the table is swapped.
+//! - [`file`]: routes from a YAML route file (the contracts crate's `RouteFile`), polled.
+//! - [`seed`]: routes discovered from seed nodes ([`crate::discovery`]), refreshed.
+
+pub mod file;
+pub mod publisher;
+pub mod seed;
+
+use std::future::Future;
+
+use tokio_util::sync::CancellationToken;
+
+pub use file::FileSource;
+pub use publisher::{PublishError, RoutePublisher, RouteRx, Snapshot};
+pub use seed::SeedSource;
+
+/// A producer of route tables (a YAML file, a seed node, ...). It runs until `shutdown` and
+/// hands every table it builds to the publisher; errors are reported there too, and never
+/// replace the last good table.
+pub trait RouteSource: Send + 'static {
+    /// A short name for logs and metric labels.
+    fn name(&self) -> &'static str;
+
+    fn run(
+        self,
+        publisher: RoutePublisher,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = ()> + Send;
+}
+

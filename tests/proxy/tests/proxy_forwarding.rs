@@ -1,0 +1,354 @@
+//! Forwarding behaviour against a real valkey-server: idle timeout, the connection limit,
+//! graceful drain, large values byte for byte, DNS-named backends, unreachable backends, and
+//! refusing routes that point at the proxy itself.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use shardgate_harness::addr::{free_port, free_port_range};
+use shardgate_harness::http::{get, metric};
+use shardgate_harness::valkey::Standalone;
+use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
+use tokio::task::block_in_place;
+
+const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+fn routes_file(dir: &Path, base: u16, backends: &[String]) -> PathBuf {
+    let nodes: Vec<String> = backends.iter().map(|b| format!("'{b}'")).collect();
+    let shards: String = nodes.iter().map(|n| format!("- nodes: [{n}]\n")).collect();
+    let path = dir.join(format!("routes-{base}.yaml"));
+    std::fs::write(&path, format!("basePort: {base}\nshards:\n{shards}")).unwrap();
+    path
+}
+
+async fn proxy(routes: PathBuf, tune: impl FnOnce(&mut ProxyConfig)) -> ProxyHandle {
+    let mut config = ProxyConfig::new(SourceConfig::File {
+        path: routes,
+        poll: Duration::from_secs(1),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    tune(&mut config);
+    let p = Proxy::start(config).await.unwrap();
+    assert!(p.wait_ready(Duration::from_secs(10)).await);
+    p
+}
+
+fn connect(port: u16) -> TcpStream {
+    let s = TcpStream::connect((LO, port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+/// PING → +PONG, or the error that prevented it.
+fn ping(s: &mut TcpStream) -> std::io::Result<()> {
+    s.write_all(b"*1\r\n$4\r\nPING\r\n")?;
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf)?;
+    assert_eq!(&buf, b"+PONG\r\n");
+    Ok(())
+}
+
+/// Whether the peer closed the connection (EOF or reset) within `within`.
+fn closed(s: &mut TcpStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe),
+    }
+}
+
+fn sample(p: &ProxyHandle, name: &str) -> f64 {
+    let (_, m) = get(p.admin_addr().unwrap(), "/metrics").unwrap();
+    metric(&m, name).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_and_busy_ones_are_not() {
+    let v = block_in_place(Standalone::start).unwrap();
+    let base = free_port_range(LO, 1);
+    let p = proxy(
+        routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
+        |c| c.idle_timeout = Some(Duration::from_millis(400)),
+    )
+    .await;
+    block_in_place(|| {
+        let mut quiet = connect(base);
+        let mut busy = connect(base);
+        ping(&mut quiet).unwrap();
+        for _ in 0..12 {
+            ping(&mut busy).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(
+            closed(&mut quiet, Duration::from_secs(2)),
+            "idle connection still open"
+        );
+        ping(&mut busy).expect("a busy connection was closed");
+    });
+    assert_eq!(
+        sample(
+            &p,
+            "shardgate_proxy_connections_closed_total{reason=\"idle_timeout\"}"
+        ),
+        1.0
+    );
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_closed_and_counted() {
+    let v = block_in_place(Standalone::start).unwrap();
+    let base = free_port_range(LO, 1);
+    let p = proxy(
+        routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
+        |c| c.max_connections = 2,
+    )
+    .await;
+    block_in_place(|| {
+        let mut a = connect(base);
+        let mut b = connect(base);
+        ping(&mut a).unwrap();
+        ping(&mut b).unwrap();
+        let mut c = connect(base);
+        assert!(
+            ping(&mut c).is_err() || closed(&mut c, Duration::from_secs(2)),
+            "a third connection was served"
+        );
+        drop(a);
+        // The permit comes back when the connection task ends.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut d = connect(base);
+            if ping(&mut d).is_ok() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "a freed slot was never reused");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ping(&mut b).unwrap();
+    });
+    assert!(
+        sample(
+            &p,
+            "shardgate_proxy_connections_rejected_total{reason=\"connection_limit\"}"
+        ) >= 1.0
+    );
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_stops_accepting_and_lets_open_connections_finish() {
+    let v = block_in_place(Standalone::start).unwrap();
+    let base = free_port_range(LO, 1);
+    let p = proxy(
+        routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
+        |c| c.drain_timeout = Duration::from_secs(20),
+    )
+    .await;
+    let mut open = connect(base);
+    ping(&mut open).unwrap();
+    let started = Instant::now();
+    let drain = tokio::spawn(p.shutdown());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    block_in_place(|| {
+        assert!(
+            TcpStream::connect((LO, base)).is_err(),
+            "still accepting while draining"
+        );
+        ping(&mut open).expect("an open connection was cut during the drain");
+        drop(open);
+    });
+    let forced = drain.await.unwrap();
+    assert_eq!(forced, 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "drain waited for nothing"
+    );
+
+    // With a short drain timeout, what is still open is closed.
+    let p = proxy(
+        routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
+        |c| c.drain_timeout = Duration::from_millis(300),
+    )
+    .await;
+    let mut open = connect(base);
+    ping(&mut open).unwrap();
+    assert_eq!(p.shutdown().await, 1);
+    assert!(block_in_place(|| closed(&mut open, Duration::from_secs(2))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_values_pass_byte_for_byte() {
+    let v = block_in_place(Standalone::start).unwrap();
+    let base = free_port_range(LO, 1);
+    let p = proxy(
+        routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
+        |c| c.buffer_size = 4096,
+    )
+    .await;
+    let value: Vec<u8> = (0..8 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    // Raw RESP: the redis crate re-parses a partial reply from its start on every read,
+    // which is slow for one 8 MiB reply arriving in 4 KiB pieces.
+    block_in_place(|| {
+        let mut s = connect(base);
+        let mut req = format!("*3\r\n$3\r\nSET\r\n$3\r\nbig\r\n${}\r\n", value.len()).into_bytes();
+        req.extend_from_slice(&value);
+        req.extend_from_slice(b"\r\n*2\r\n$3\r\nGET\r\n$3\r\nbig\r\n");
+        s.write_all(&req).unwrap();
+        let header = format!("+OK\r\n${}\r\n", value.len());
+        let mut back = vec![0u8; header.len() + value.len() + 2];
+        s.read_exact(&mut back).unwrap();
+        assert_eq!(&back[..header.len()], header.as_bytes());
+        assert!(
+            back[header.len()..header.len() + value.len()] == value[..],
+            "value changed on the way"
+        );
+        assert_eq!(&back[back.len() - 2..], b"\r\n");
+    });
+    let up = sample(
+        &p,
+        &format!("shardgate_proxy_bytes_total{{port=\"{base}\",direction=\"to_backend\"}}"),
+    );
+    let down = sample(
+        &p,
+        &format!("shardgate_proxy_bytes_total{{port=\"{base}\",direction=\"to_client\"}}"),
+    );
+    assert!(up > 8e6 && down > 8e6, "bytes not counted: {up} {down}");
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backends_by_dns_name_and_unreachable_backends() {
+    let v = block_in_place(Standalone::start).unwrap();
+    let closed_port = free_port(LO);
+    let base = free_port_range(LO, 2);
+    // `localhost` resolves from /etc/hosts: no query leaves the machine.
+    let p = proxy(
+        routes_file(
+            &v.dir,
+            base,
+            &[
+                format!("localhost:{}", v.port),
+                format!("127.0.0.1:{closed_port}"),
+            ],
+        ),
+        |c| c.connect_timeout = Duration::from_secs(2),
+    )
+    .await;
+    block_in_place(|| {
+        let mut s = connect(base);
+        ping(&mut s).expect("no PONG through a DNS-named backend");
+        let mut dead = connect(base + 1);
+        assert!(
+            closed(&mut dead, Duration::from_secs(5)),
+            "a connection to a dead backend stayed open"
+        );
+    });
+    let errors = sample(
+        &p,
+        &format!(
+            "shardgate_proxy_backend_errors_total{{port=\"{}\",kind=\"connect\"}}",
+            base + 1
+        ),
+    );
+    assert_eq!(errors, 1.0);
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_to_the_proxy_itself_is_refused() {
+    let dir = std::env::temp_dir().join(format!("shardgate-loop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = free_port_range(LO, 2);
+    let path = routes_file(
+        &dir,
+        base,
+        &[format!("127.0.0.1:{}", base + 1), "127.0.0.1:6379".into()],
+    );
+    let mut config = ProxyConfig::new(SourceConfig::File {
+        path,
+        poll: Duration::from_secs(1),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = None;
+    let err = Proxy::start(config)
+        .await
+        .err()
+        .expect("a looping table was accepted")
+        .to_string();
+    assert!(err.contains("this proxy's own listener"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `INFO server`'s `tcp_port` asked through a connection: which server is behind it.
+fn server_port(s: &mut TcpStream) -> u16 {
+    s.write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+        .unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0;
+    loop {
+        let n = s.read(&mut buf[got..]).unwrap();
+        assert!(n > 0, "closed");
+        got += n;
+        let text = String::from_utf8_lossy(&buf[..got]);
+        if let Some(line) = text.lines().find(|l| l.starts_with("tcp_port:")) {
+            if text.ends_with("\r\n\r\n") {
+                return line["tcp_port:".len()..].trim().parse().unwrap();
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_table_applies_to_new_connections_and_open_ones_keep_their_backend() {
+    let a = block_in_place(Standalone::start).unwrap();
+    let b = block_in_place(Standalone::start).unwrap();
+    let base = free_port_range(LO, 1);
+    let path = routes_file(&a.dir, base, &[format!("127.0.0.1:{}", a.port)]);
+    let mut config = ProxyConfig::new(SourceConfig::File {
+        path: path.clone(),
+        poll: Duration::from_millis(50),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = None;
+    config.drain_timeout = Duration::from_millis(100);
+    let p = Proxy::start(config).await.unwrap();
+    assert!(p.wait_ready(Duration::from_secs(10)).await);
+    let mut before = connect(base);
+    assert_eq!(block_in_place(|| server_port(&mut before)), a.port);
+
+    std::fs::write(
+        &path,
+        format!(
+            "basePort: {base}\nshards:\n- nodes: ['127.0.0.1:{}']\n",
+            b.port
+        ),
+    )
+    .unwrap();
+    let mut rx = p.routes();
+    tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|t| t.version == 2))
+        .await
+        .unwrap()
+        .unwrap();
+    block_in_place(|| {
+        let mut after = connect(base);
+        assert_eq!(
+            server_port(&mut after),
+            b.port,
+            "a new connection went to the old backend"
+        );
+        assert_eq!(
+            server_port(&mut before),
+            a.port,
+            "an open connection changed backend"
+        );
+    });
+    p.shutdown().await;
+}

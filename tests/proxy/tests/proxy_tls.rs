@@ -1,0 +1,790 @@
+//! The TLS port, routed by SNI, against real Valkey nodes: termination (with topology
+//! rewriting to the per-node SNI names, a rustls client, `redis-cli --tls --sni` and the redis
+//! crate's cluster client over TLS), passthrough to TLS-speaking nodes (valkey behind
+//! stunnel), TLS backends, refusals that open no backend connection, certificate errors, mTLS,
+//! and a certificate reload during traffic.
+//!
+//! No DNS here: clients dial 127.0.0.1 with an explicit SNI name, and the cluster client
+//! resolves `*.example.test` to 127.0.0.1 through its DNS resolver hook.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::AsyncCommands;
+use shardgate_crds::{node_hostname, Hostnames, NodeRef};
+use shardgate_harness::addr::{free_port, free_port_range};
+use shardgate_harness::clients::{cli, spread_keys};
+use shardgate_harness::http::{get, metric};
+use shardgate_harness::stunnel::Stunnel;
+use shardgate_harness::tls::{self as ttls, command, text, CertPair, TestPki};
+use shardgate_harness::valkey::{key_slot, slot_tags, ClusterSpec, Standalone, ValkeyCluster};
+use shardgate_proxy::config::BackendTlsConfig;
+use shardgate_proxy::config::CertFiles;
+use shardgate_proxy::config::DetectLimits;
+use shardgate_proxy::config::{TlsConfig, TlsModeConfig};
+use shardgate_proxy::model::Backend;
+use shardgate_proxy::tls::sni::testing::{client_hello, message, records};
+use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::block_in_place;
+
+const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
+const DOMAIN: &str = "example.test";
+
+fn names() -> Hostnames {
+    Hostnames {
+        prefix: "vc".into(),
+        domain: DOMAIN.into(),
+    }
+}
+
+fn name(s: u32, n: u32) -> String {
+    node_hostname("vc", NodeRef::new(s, n), DOMAIN)
+}
+
+fn terminate(
+    cert: &CertPair,
+    client_ca: Option<PathBuf>,
+    backend: BackendTlsConfig,
+) -> TlsModeConfig {
+    TlsModeConfig::Terminate {
+        files: CertFiles {
+            cert: cert.cert.clone(),
+            key: cert.key.clone(),
+            client_ca,
+        },
+        reload: Duration::from_millis(100),
+        backend,
+    }
+}
+
+/// An in-process proxy with a TLS port.
+struct TlsProxy {
+    handle: ProxyHandle,
+    tls: SocketAddr,
+    admin: SocketAddr,
+}
+
+impl TlsProxy {
+    async fn start(source: SourceConfig, mode: TlsModeConfig, rewrite: bool) -> TlsProxy {
+        let port = free_port(LO);
+        let mut config = ProxyConfig::new(source);
+        config.listen_ip = LO.into();
+        config.admin_addr = Some(SocketAddr::from((LO, 0)));
+        config.rewrite = rewrite;
+        config.advertise_host = Some("127.0.0.1".into());
+        config.drain_timeout = Duration::from_millis(200);
+        config.tls = Some(TlsConfig {
+            port,
+            names: names(),
+            mode,
+            detect: DetectLimits {
+                timeout: Duration::from_millis(800),
+                max_bytes: 16 * 1024,
+            },
+        });
+        let handle = Proxy::start(config).await.unwrap();
+        assert!(handle.wait_ready(Duration::from_secs(10)).await);
+        let admin = handle.admin_addr().unwrap();
+        TlsProxy {
+            handle,
+            tls: SocketAddr::from((LO, port)),
+            admin,
+        }
+    }
+
+    fn metric(&self, sample: &str) -> f64 {
+        metric(&get(self.admin, "/metrics").unwrap().1, sample).unwrap_or(0.0)
+    }
+
+    fn refused(&self, reason: &str) -> f64 {
+        self.metric(&format!(
+            "shardgate_proxy_tls_refused_total{{reason=\"{reason}\"}}"
+        ))
+    }
+}
+
+/// A route file for `cluster`: each node's address and id, and its TLS address if given.
+fn routes_file(dir: &std::path::Path, cluster: &ValkeyCluster, tls: &[SocketAddr]) -> SourceConfig {
+    let spec = cluster.spec();
+    let base = free_port_range(LO, (spec.shards * (spec.replicas + 1)) as u16);
+    let out = shardgate_harness::routes::routes_yaml_with_tls(base, cluster, tls);
+    let path = dir.join("routes.yaml");
+    std::fs::write(&path, out).unwrap();
+    SourceConfig::File {
+        path,
+        poll: Duration::from_secs(1),
+    }
+}
+
+/// Resolves every `*.example.test` name (and 127.0.0.1) to 127.0.0.1: there is no DNS here.
+struct Loopback;
+
+impl redis::io::AsyncDNSResolver for Loopback {
+    fn resolve<'a, 'b: 'a>(
+        &'a self,
+        host: &'b str,
+        port: u16,
+    ) -> redis::RedisFuture<'a, Box<dyn Iterator<Item = SocketAddr> + Send + 'a>> {
+        Box::pin(async move {
+            if host.ends_with(&format!(".{DOMAIN}")) || host == "127.0.0.1" {
+                let it: Box<dyn Iterator<Item = SocketAddr> + Send> =
+                    Box::new(std::iter::once(SocketAddr::from((LO, port))));
+                Ok(it)
+            } else {
+                Err(std::io::Error::other(format!("no loopback name: {host}")).into())
+            }
+        })
+    }
+}
+
+/// The redis crate's cluster client over TLS, bootstrapped from `<prefix>.<domain>`.
+async fn tls_cluster_client(pki: &TestPki, port: u16) -> redis::cluster_async::ClusterConnection {
+    redis::cluster::ClusterClientBuilder::new(vec![format!("rediss://vc.{DOMAIN}:{port}")])
+        .certs(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pki.ca_pem.clone().into_bytes()),
+        })
+        .async_dns_resolver(Loopback)
+        .retries(10)
+        .connection_timeout(Duration::from_secs(3))
+        .response_timeout(Duration::from_secs(3))
+        .build()
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap()
+}
+
+/// SET then GET keys in every shard through the cluster client.
+async fn cross_shard_set_get(con: &mut redis::cluster_async::ClusterConnection, tag: &str) {
+    let keys = spread_keys(60, tag);
+    for (i, k) in keys.iter().enumerate() {
+        let _: () = con.set(k, i).await.unwrap();
+    }
+    for (i, k) in keys.iter().enumerate() {
+        let v: usize = con.get(k).await.unwrap();
+        assert_eq!(v, i, "{k}");
+    }
+}
+
+/// Every string in a reply, joined.
+fn flat(v: &redis::Value) -> String {
+    match v {
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            items.iter().map(flat).collect::<Vec<_>>().join(" ")
+        }
+        redis::Value::Map(pairs) => pairs
+            .iter()
+            .map(|(k, v)| format!("{} {}", flat(k), flat(v)))
+            .collect::<Vec<_>>()
+            .join(" "),
+        redis::Value::Int(i) => i.to_string(),
+        other => text(other),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminate_routes_every_name_and_hands_out_sni_names() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let cert = pki.wildcard("proxy").unwrap();
+    let cluster =
+        Arc::new(block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 1))).unwrap());
+    let base = free_port_range(LO, 6);
+    let source = SourceConfig::Seed {
+        seeds: vec![Backend::ip(cluster.node(NodeRef::new(0, 0)).addr())],
+        base_port: base,
+        ports_per_shard: None,
+        refresh: Duration::from_secs(1),
+    };
+    let p = TlsProxy::start(
+        source,
+        terminate(&cert, None, BackendTlsConfig::Plain),
+        true,
+    )
+    .await;
+    let config = pki.client_config(None);
+
+    // Node names reach their node; the shard name its primary; the bootstrap name any node.
+    for s in 0..3 {
+        for n in 0..2 {
+            let mut tls = ttls::connect(p.tls, &name(s, n), config.clone())
+                .await
+                .unwrap();
+            let id = text(&command(&mut tls, &["CLUSTER", "MYID"]).await.unwrap());
+            assert_eq!(
+                id,
+                cluster.node(NodeRef::new(s, n)).node_id,
+                "{}",
+                name(s, n)
+            );
+        }
+        let mut tls = ttls::connect(p.tls, &format!("vc-{s}.{DOMAIN}"), config.clone())
+            .await
+            .unwrap();
+        let role = flat(&command(&mut tls, &["ROLE"]).await.unwrap());
+        assert!(role.starts_with("master"), "shard {s}: {role}");
+    }
+    let mut boot = ttls::connect(p.tls, &format!("vc.{DOMAIN}"), config.clone())
+        .await
+        .unwrap();
+    assert_eq!(text(&command(&mut boot, &["PING"]).await.unwrap()), "PONG");
+
+    // Topology on the TLS port names the nodes' SNI names on the TLS port.
+    let tls_port = p.tls.port().to_string();
+    let slots = flat(&command(&mut boot, &["CLUSTER", "SLOTS"]).await.unwrap());
+    for s in 0..3 {
+        for n in 0..2 {
+            assert!(slots.contains(&name(s, n)), "{slots}");
+        }
+    }
+    assert!(slots.contains(&tls_port), "{slots}");
+    for node in cluster.nodes() {
+        assert!(!slots.contains(&node.ip().to_string()), "{slots}");
+    }
+    let shards = flat(&command(&mut boot, &["CLUSTER", "SHARDS"]).await.unwrap());
+    assert!(
+        shards.contains("tls-port") && shards.contains(&name(2, 1)),
+        "{shards}"
+    );
+    let slot = *cluster.spec().initial_slots(2u32).start();
+    let key = format!("{}k", slot_tags()[usize::from(slot)]);
+    let mut n0 = ttls::connect(p.tls, &name(0, 0), config.clone())
+        .await
+        .unwrap();
+    let moved = text(&command(&mut n0, &["GET", &key]).await.unwrap());
+    assert_eq!(moved, format!("MOVED {slot} {}:{tls_port}", name(2, 0)));
+    // The plain ports keep handing out the advertised host and their own ports.
+    let mut plain = TcpStream::connect((LO, base)).await.unwrap();
+    let moved = text(&command(&mut plain, &["GET", &key]).await.unwrap());
+    assert_eq!(moved, format!("MOVED {slot} 127.0.0.1:{}", base + 4));
+
+    // TLS 1.2 only, and redis-cli (OpenSSL) with --sni.
+    let tls12 = ttls::client_config(&[&pki.ca_pem], None, Some(&[&rustls::version::TLS12]));
+    let mut c12 = ttls::connect(p.tls, &name(1, 0), tls12).await.unwrap();
+    assert_eq!(text(&command(&mut c12, &["PING"]).await.unwrap()), "PONG");
+    let ca = pki.ca.to_string_lossy().to_string();
+    let cli_id = block_in_place(|| {
+        cli(&[
+            "--tls",
+            "--sni",
+            &name(1, 1),
+            "--cacert",
+            &ca,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &tls_port,
+            "CLUSTER",
+            "MYID",
+        ])
+    })
+    .unwrap();
+    assert_eq!(cli_id, cluster.node(NodeRef::new(1, 1)).node_id);
+    assert!(p.metric("shardgate_proxy_tls_handshakes_total{version=\"TLSv1_2\"}") >= 1.0);
+    assert!(p.metric("shardgate_proxy_tls_handshakes_total{version=\"TLSv1_3\"}") >= 8.0);
+
+    // A cluster client over TLS: cross-shard SET/GET through per-node names.
+    let mut con = tls_cluster_client(&pki, p.tls.port()).await;
+    cross_shard_set_get(&mut con, "tls").await;
+    assert!(key_slot(b"x") < 16384);
+
+    // After a failover the shard name follows the new primary (seed refresh: 1s).
+    let c = cluster.clone();
+    block_in_place(|| c.failover(NodeRef::new(1, 1))).unwrap();
+    let want = cluster.node(NodeRef::new(1, 1)).node_id.clone();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut tls = ttls::connect(p.tls, &format!("vc-1.{DOMAIN}"), config.clone())
+            .await
+            .unwrap();
+        let id = text(&command(&mut tls, &["CLUSTER", "MYID"]).await.unwrap());
+        if id == want {
+            break;
+        }
+        assert!(Instant::now() < deadline, "vc-1 still goes to {id}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cross_shard_set_get(&mut con, "after-failover").await;
+    drop(con);
+    p.handle.shutdown().await;
+}
+
+/// A backend that counts connections and answers `+PONG` to anything.
+async fn fake_backend() -> (SocketAddr, Arc<AtomicUsize>) {
+    let l = TcpListener::bind((LO, 0)).await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 || s.write_all(b"+PONG\r\n").await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (addr, count)
+}
+
+fn one_node_routes(dir: &std::path::Path, backend: SocketAddr) -> SourceConfig {
+    let path = dir.join("routes.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "basePort: {}\nshards:\n  - nodes: [{backend}]\n",
+            free_port(LO)
+        ),
+    )
+    .unwrap();
+    SourceConfig::File {
+        path,
+        poll: Duration::from_secs(1),
+    }
+}
+
+/// Sends `bytes` (then half-closes if `close`), returns what came back before EOF (3 s max).
+async fn raw(addr: SocketAddr, bytes: &[u8], close: bool) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    if close {
+        s.shutdown().await.unwrap();
+    }
+    let mut out = vec![];
+    let _ = tokio::time::timeout(Duration::from_secs(3), s.read_to_end(&mut out)).await;
+    out
+}
+
+const fn alert(desc: u8) -> [u8; 7] {
+    [21, 3, 3, 0, 2, 2, desc]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_clear_counted_and_dial_nothing() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let cert = pki.wildcard("proxy").unwrap();
+    let (backend, dialled) = fake_backend().await;
+    let source = one_node_routes(pki.dir(), backend);
+    let p = TlsProxy::start(
+        source,
+        terminate(&cert, None, BackendTlsConfig::Plain),
+        false,
+    )
+    .await;
+    let config = pki.client_config(None);
+
+    // An unknown name and a name of a node that does not exist: unrecognized_name.
+    for sni in ["other.example.org", "vc-7-0.example.test"] {
+        let err = ttls::connect(p.tls, sni, config.clone()).await.unwrap_err();
+        assert!(
+            format!("{err:#}").contains("UnrecognisedName"),
+            "{sni}: {err:#}"
+        );
+    }
+    // No SNI: missing_extension.
+    assert_eq!(raw(p.tls, &client_hello(None, 0), false).await, alert(109));
+    // Not TLS: a RESP client sees an error line.
+    let reply = raw(p.tls, b"*1\r\n$4\r\nPING\r\n", false).await;
+    assert!(
+        String::from_utf8_lossy(&reply).starts_with("-ERR this port speaks TLS only"),
+        "{reply:?}"
+    );
+    assert!(raw(p.tls, b"GET / HTTP/1.1\r\n\r\n", false)
+        .await
+        .starts_with(b"-ERR"));
+    // Truncated: the client closes halfway; nothing to say.
+    let hello = client_hello(Some(&name(0, 0)), 0);
+    assert_eq!(raw(p.tls, &hello[..hello.len() / 2], true).await, b"");
+    // Oversized (in records small enough to be legal): handshake_failure.
+    let big = records(&message(&client_hello(Some(&name(0, 0)), 30_000)), 16_000);
+    assert_eq!(raw(p.tls, &big, false).await, alert(40));
+    // Garbled inside (cipher_suites length): decode_error.
+    let mut bad = hello.clone();
+    bad[5 + 4 + 2 + 32 + 1] = 0xff;
+    assert_eq!(raw(p.tls, &bad, false).await, alert(50));
+    // A handshake record that is no ClientHello: decode_error.
+    assert_eq!(
+        raw(p.tls, &[22, 3, 3, 0, 4, 2, 0, 0, 0], false).await,
+        alert(50)
+    );
+    // Silent after three bytes: closed at the hello timeout.
+    let t = Instant::now();
+    assert_eq!(raw(p.tls, &[22, 3, 1], false).await, b"");
+    assert!(
+        t.elapsed() >= Duration::from_millis(700),
+        "{:?}",
+        t.elapsed()
+    );
+
+    assert_eq!(dialled.load(Ordering::SeqCst), 0, "no backend connection");
+    for (reason, n) in [
+        ("unknown_sni", 1.0),
+        ("no_route", 1.0),
+        ("no_sni", 1.0),
+        ("not_tls", 2.0),
+        ("closed", 1.0),
+        ("too_large", 1.0),
+        ("malformed", 1.0),
+        ("not_client_hello", 1.0),
+        ("timeout", 1.0),
+    ] {
+        assert_eq!(p.refused(reason), n, "{reason}");
+    }
+    let accepted = format!(
+        "shardgate_proxy_connections_accepted_total{{port=\"{}\"}}",
+        p.tls.port()
+    );
+    assert_eq!(p.metric(&accepted), 0.0);
+
+    // And a good name does reach the node.
+    let mut tls = ttls::connect(p.tls, &name(0, 0), config).await.unwrap();
+    assert_eq!(text(&command(&mut tls, &["PING"]).await.unwrap()), "PONG");
+    assert_eq!(dialled.load(Ordering::SeqCst), 1);
+    p.handle.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_errors_and_mtls() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let other = TestPki::new("other.test").unwrap();
+    let server = Standalone::start().unwrap();
+    let backend = SocketAddr::from((LO, server.port));
+    let trusting = pki.client_config(None);
+
+    // A client that trusts another CA.
+    let good = pki.wildcard("good").unwrap();
+    let p = TlsProxy::start(
+        one_node_routes(pki.dir(), backend),
+        terminate(&good, None, BackendTlsConfig::Plain),
+        false,
+    )
+    .await;
+    let err = ttls::connect(p.tls, &name(0, 0), other.client_config(None))
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("UnknownIssuer"), "{err:#}");
+    p.handle.shutdown().await;
+
+    // A certificate for other names, and an expired one.
+    let mismatched = pki
+        .server_cert("mismatched", &["*.other.test".into()], false)
+        .unwrap();
+    let expired = pki.expired_wildcard("expired").unwrap();
+    for (cert, want) in [(&mismatched, "not valid for name"), (&expired, "expired")] {
+        let p = TlsProxy::start(
+            one_node_routes(pki.dir(), backend),
+            terminate(cert, None, BackendTlsConfig::Plain),
+            false,
+        )
+        .await;
+        let err = ttls::connect(p.tls, &name(0, 0), trusting.clone())
+            .await
+            .unwrap_err();
+        let msg = format!("{err:#}").to_lowercase();
+        assert!(msg.contains(want), "{want}: {msg}");
+        p.handle.shutdown().await;
+    }
+
+    // mTLS: no client certificate, one from another CA, then a good one.
+    let p = TlsProxy::start(
+        one_node_routes(pki.dir(), backend),
+        terminate(&good, Some(pki.ca.clone()), BackendTlsConfig::Plain),
+        false,
+    )
+    .await;
+    let wrong = other.client_cert("wrong-client", "intruder").unwrap();
+    let right = pki.client_cert("client", "app").unwrap();
+    for (client, want) in [(None, "CertificateRequired"), (Some(&wrong), "UnknownCA")] {
+        let config = pki_client(&pki, client);
+        let outcome = async {
+            let mut tls = ttls::connect(p.tls, &name(0, 0), config).await?;
+            command(&mut tls, &["PING"]).await
+        }
+        .await;
+        let err = outcome.unwrap_err();
+        assert!(format!("{err:#}").contains(want), "{want}: {err:#}");
+    }
+    let mut tls = ttls::connect(p.tls, &name(0, 0), pki_client(&pki, Some(&right)))
+        .await
+        .unwrap();
+    assert_eq!(text(&command(&mut tls, &["PING"]).await.unwrap()), "PONG");
+    assert_eq!(p.refused("handshake"), 2.0);
+    p.handle.shutdown().await;
+}
+
+fn pki_client(pki: &TestPki, client: Option<&CertPair>) -> Arc<rustls::ClientConfig> {
+    pki.client_config(client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_reload_during_traffic_drops_nothing() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let cert = pki.wildcard("proxy").unwrap();
+    let server = Standalone::start().unwrap();
+    let p = TlsProxy::start(
+        one_node_routes(pki.dir(), SocketAddr::from((LO, server.port))),
+        terminate(&cert, None, BackendTlsConfig::Plain),
+        false,
+    )
+    .await;
+    let config = pki.client_config(None);
+    let old = cert.cert_der().unwrap();
+    let new = pki.wildcard("proxy-2").unwrap();
+    let new_der = new.cert_der().unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = vec![];
+    // Long-lived connections, each busy all along.
+    for w in 0..6 {
+        let (stop, config, addr) = (stop.clone(), config.clone(), p.tls);
+        workers.push(tokio::spawn(async move {
+            let mut tls = ttls::connect(addr, &name(0, 0), config).await?;
+            let mut ops = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let k = format!("w{w}");
+                command(&mut tls, &["SET", &k, &ops.to_string()]).await?;
+                let v = text(&command(&mut tls, &["GET", &k]).await?);
+                anyhow::ensure!(v == ops.to_string(), "worker {w}: {v} != {ops}");
+                ops += 1;
+            }
+            anyhow::Ok((ops, None))
+        }));
+    }
+    // New connections all along, noting the certificate each saw.
+    {
+        let (stop, config, addr, new_der) = (stop.clone(), config.clone(), p.tls, new_der.clone());
+        workers.push(tokio::spawn(async move {
+            let mut ops = 0u64;
+            let mut saw_new = None;
+            while !stop.load(Ordering::Relaxed) {
+                let mut tls = ttls::connect(addr, &name(0, 0), config.clone()).await?;
+                let leaf = tls.get_ref().1.peer_certificates().map(|c| c[0].clone());
+                if saw_new.is_none() && leaf.as_ref() == Some(&new_der) {
+                    saw_new = Some(ops);
+                }
+                anyhow::ensure!(text(&command(&mut tls, &["PING"]).await?) == "PONG");
+                ops += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            anyhow::Ok((ops, saw_new))
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cert.replace_with(&new).unwrap();
+    // Wait for the reload to show on a new connection.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut tls = ttls::connect(p.tls, &name(0, 0), config.clone())
+            .await
+            .unwrap();
+        let leaf = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
+        // A client that reads what it was sent closes cleanly (no reset).
+        assert_eq!(text(&command(&mut tls, &["PING"]).await.unwrap()), "PONG");
+        if leaf == new_der {
+            break;
+        }
+        assert_eq!(leaf, old);
+        assert!(
+            Instant::now() < deadline,
+            "the new certificate never showed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A broken version (a key that does not match) is refused; the new one stays.
+    let errors = p.metric("shardgate_proxy_tls_certificate_reloads_total{reason=\"error\"}");
+    std::fs::write(&cert.key, pki.wildcard("unrelated").unwrap().key_pem).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.metric("shardgate_proxy_tls_certificate_reloads_total{reason=\"error\"}") <= errors {
+        assert!(
+            Instant::now() < deadline,
+            "the broken key was never noticed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for (i, w) in workers.into_iter().enumerate() {
+        let (ops, saw_new) = w
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("worker {i}: {e:#}"));
+        assert!(ops > 10, "worker {i}: {ops} ops");
+        if i == 6 {
+            assert!(saw_new.is_some(), "new connections saw the new certificate");
+        }
+    }
+    let mut tls = ttls::connect(p.tls, &name(0, 0), config).await.unwrap();
+    assert_eq!(tls.get_ref().1.peer_certificates().unwrap()[0], new_der);
+    assert_eq!(text(&command(&mut tls, &["PING"]).await.unwrap()), "PONG");
+    assert!(p.metric("shardgate_proxy_tls_certificate_reloads_total{reason=\"ok\"}") >= 1.0);
+    assert_eq!(
+        p.metric("shardgate_proxy_connections_closed_total{reason=\"client_error\"}")
+            + p.metric("shardgate_proxy_connections_closed_total{reason=\"backend_error\"}"),
+        0.0
+    );
+    p.handle.shutdown().await;
+}
+
+/// stunnel in front of every node of `cluster`, with `cert`: the TLS address of each node.
+fn stunnel_for(cluster: &ValkeyCluster, cert: &CertPair) -> (Stunnel, Vec<SocketAddr>) {
+    let services: Vec<(SocketAddr, SocketAddr)> = cluster
+        .nodes()
+        .iter()
+        .map(|n| (SocketAddr::from((LO, free_port(LO))), n.addr()))
+        .collect();
+    let st = Stunnel::start(&cert.cert, &cert.key, &services).unwrap();
+    let tls = services.iter().map(|(a, _)| *a).collect();
+    (st, tls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_to_tls_speaking_nodes() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let node_cert = pki
+        .server_cert("nodes", &[format!("*.{DOMAIN}")], false)
+        .unwrap();
+    // The nodes announce their SNI names and the TLS port (the passthrough deployment).
+    let tls_port = free_port(LO);
+    let spec = ClusterSpec::new(3, 0)
+        .with_config("cluster-preferred-endpoint-type", "hostname")
+        .with_node_config(move |n| {
+            vec![
+                (
+                    "cluster-announce-hostname".into(),
+                    node_hostname("vc", n, DOMAIN),
+                ),
+                ("cluster-announce-client-port".into(), tls_port.to_string()),
+            ]
+        });
+    let cluster = block_in_place(|| ValkeyCluster::start(spec)).unwrap();
+    let (stunnel, tls_addrs) = block_in_place(|| stunnel_for(&cluster, &node_cert));
+    let source = routes_file(pki.dir(), &cluster, &tls_addrs);
+    // The port is chosen here so that the nodes could announce it.
+    let mut config = ProxyConfig::new(source);
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    config.drain_timeout = Duration::from_millis(200);
+    config.tls = Some(TlsConfig {
+        port: tls_port,
+        names: names(),
+        mode: TlsModeConfig::Passthrough,
+        detect: DetectLimits::default(),
+    });
+    let handle = Proxy::start(config).await.unwrap();
+    assert!(handle.wait_ready(Duration::from_secs(10)).await);
+    let admin = handle.admin_addr().unwrap();
+    let addr = SocketAddr::from((LO, tls_port));
+    let config = pki.client_config(None);
+
+    // The node's own certificate comes through: the proxy holds none.
+    let mut tls = ttls::connect(addr, &name(1, 0), config.clone())
+        .await
+        .unwrap();
+    let leaf = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
+    assert_eq!(leaf, node_cert.cert_der().unwrap());
+    let id = text(&command(&mut tls, &["CLUSTER", "MYID"]).await.unwrap());
+    assert_eq!(id, cluster.node(NodeRef::new(1, 0)).node_id);
+
+    let ca = pki.ca.to_string_lossy().to_string();
+    let port = tls_port.to_string();
+    let cli_id = block_in_place(|| {
+        cli(&[
+            "--tls",
+            "--sni",
+            &name(2, 0),
+            "--cacert",
+            &ca,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "CLUSTER",
+            "MYID",
+        ])
+    })
+    .unwrap();
+    assert_eq!(cli_id, cluster.node(NodeRef::new(2, 0)).node_id);
+
+    // A cluster client over TLS: the nodes' own topology names the SNI names.
+    let mut con = tls_cluster_client(&pki, tls_port).await;
+    cross_shard_set_get(&mut con, "passthrough").await;
+    drop(con);
+
+    // Refusals are the same in passthrough.
+    let err = ttls::connect(addr, "nope.example.test", config)
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("UnrecognisedName"), "{err:#}");
+    let body = get(admin, "/metrics").unwrap().1;
+    assert_eq!(
+        metric(
+            &body,
+            "shardgate_proxy_tls_refused_total{reason=\"unknown_sni\"}"
+        ),
+        Some(1.0)
+    );
+    assert!(!stunnel.log().is_empty());
+    handle.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminate_with_tls_backends_and_rewriting() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let cert = pki.wildcard("proxy").unwrap();
+    let node_cert = pki
+        .server_cert("nodes", &[format!("*.{DOMAIN}")], false)
+        .unwrap();
+    let cluster = block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 0))).unwrap();
+    let (_stunnel, tls_addrs) = block_in_place(|| stunnel_for(&cluster, &node_cert));
+    let source = routes_file(pki.dir(), &cluster, &tls_addrs);
+    let backend = BackendTlsConfig::Tls {
+        ca: pki.ca.clone(),
+        server_name: None,
+    };
+    let p = TlsProxy::start(source, terminate(&cert, None, backend), true).await;
+    let mut tls = ttls::connect(p.tls, &name(0, 0), pki.client_config(None))
+        .await
+        .unwrap();
+    let slots = flat(&command(&mut tls, &["CLUSTER", "SLOTS"]).await.unwrap());
+    assert!(slots.contains(&name(2, 0)), "{slots}");
+    let mut con = tls_cluster_client(&pki, p.tls.port()).await;
+    cross_shard_set_get(&mut con, "tls-backends").await;
+    drop(con);
+    let port = p.tls.port();
+    assert_eq!(
+        p.metric(&format!(
+            "shardgate_proxy_backend_errors_total{{port=\"{port}\",kind=\"tls\"}}"
+        )),
+        0.0
+    );
+    p.handle.shutdown().await;
+
+    // A backend whose certificate does not match the name checked: a clear backend error.
+    let backend = BackendTlsConfig::Tls {
+        ca: pki.ca.clone(),
+        server_name: Some("wrong.other.test".into()),
+    };
+    let source = routes_file(pki.dir(), &cluster, &tls_addrs);
+    let p = TlsProxy::start(source, terminate(&cert, None, backend), false).await;
+    let mut tls = ttls::connect(p.tls, &name(0, 0), pki.client_config(None))
+        .await
+        .unwrap();
+    assert!(command(&mut tls, &["PING"]).await.is_err());
+    let port = p.tls.port();
+    assert_eq!(
+        p.metric(&format!(
+            "shardgate_proxy_backend_errors_total{{port=\"{port}\",kind=\"tls\"}}"
+        )),
+        1.0
+    );
+    p.handle.shutdown().await;
+}
