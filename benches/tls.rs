@@ -125,9 +125,9 @@ fn main() {
     let base = free_port(LO);
     std::fs::write(
         &routes,
-        format!(
-            "basePort: {base}\nshards:\n  - nodes: [127.0.0.1:{}]\n",
-            valkey.port
+        shardgate_harness::routes::one_node_per_shard(
+            base,
+            &[format!("127.0.0.1:{}", valkey.port)],
         ),
     )
     .expect("route file");

@@ -18,9 +18,9 @@
 //! - [`config`] and [`app`]: the configuration from the settings, and the app that wires
 //!   the parts and drains on shutdown.
 //!
-//! `scripts/check-layers` checks the order (CI runs it). The modules shown in code font are
-//! the crate's own; the `test-util` feature makes them public for the tests, benchmarks and
-//! fuzzers.
+//! `proxy/tests/layers.rs` fails on any import cycle between these modules (CI runs it). The
+//! modules shown in code font are the crate's own; the `test-util` feature makes them public
+//! for the tests, benchmarks and fuzzers.
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 /// Modules the crate keeps to itself, public with `test-util` for tests, benches and fuzzers.

@@ -119,10 +119,9 @@ fn the_binary_terminates_tls_in_front_of_valkey() {
     let routes = pki.dir().join("routes.yaml");
     std::fs::write(
         &routes,
-        format!(
-            "basePort: {}\nshards:\n  - nodes: [127.0.0.1:{}]\n",
+        shardgate_harness::routes::one_node_per_shard(
             free_port(LO),
-            server.port
+            &[format!("127.0.0.1:{}", server.port)],
         ),
     )
     .unwrap();

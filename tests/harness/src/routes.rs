@@ -61,3 +61,20 @@ pub fn routes_yaml_with_tls(
     }
     .to_yaml()
 }
+
+/// A route file of one node per shard: shard `s` is `backends[s]` (`host:port`), at
+/// `base_port + s`. Written with [`RouteFile`], the type the proxy reads.
+pub fn one_node_per_shard(base_port: u16, backends: &[impl ToString]) -> String {
+    RouteFile {
+        base_port: u32::from(base_port),
+        ports_per_shard: None,
+        rewrite: None,
+        shards: backends
+            .iter()
+            .map(|b| ShardEntry {
+                nodes: vec![NodeEntry::Short(b.to_string())],
+            })
+            .collect(),
+    }
+    .to_yaml()
+}

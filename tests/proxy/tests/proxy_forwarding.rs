@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use shardgate_harness::addr::{free_port, free_port_range};
 use shardgate_harness::http::{get, metric};
+use shardgate_harness::routes::one_node_per_shard;
 use shardgate_harness::valkey::Standalone;
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use tokio::task::block_in_place;
@@ -16,10 +17,8 @@ use tokio::task::block_in_place;
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
 
 fn routes_file(dir: &Path, base: u16, backends: &[String]) -> PathBuf {
-    let nodes: Vec<String> = backends.iter().map(|b| format!("'{b}'")).collect();
-    let shards: String = nodes.iter().map(|n| format!("- nodes: [{n}]\n")).collect();
     let path = dir.join(format!("routes-{base}.yaml"));
-    std::fs::write(&path, format!("basePort: {base}\nshards:\n{shards}")).unwrap();
+    std::fs::write(&path, one_node_per_shard(base, backends)).unwrap();
     path
 }
 
@@ -326,10 +325,7 @@ async fn a_new_table_applies_to_new_connections_and_open_ones_keep_their_backend
 
     std::fs::write(
         &path,
-        format!(
-            "basePort: {base}\nshards:\n- nodes: ['127.0.0.1:{}']\n",
-            b.port
-        ),
+        one_node_per_shard(base, &[format!("127.0.0.1:{}", b.port)]),
     )
     .unwrap();
     let mut rx = p.routes();

@@ -340,10 +340,7 @@ fn one_node_routes(dir: &std::path::Path, backend: SocketAddr) -> SourceConfig {
     let path = dir.join("routes.yaml");
     std::fs::write(
         &path,
-        format!(
-            "basePort: {}\nshards:\n  - nodes: [{backend}]\n",
-            free_port(LO)
-        ),
+        shardgate_harness::routes::one_node_per_shard(free_port(LO), &[backend]),
     )
     .unwrap();
     SourceConfig::File {
