@@ -7,6 +7,8 @@
 //!   depth and size), since redis-protocol's decoder recurses without a limit.
 //! - [`shards`]: the typed view of `CLUSTER SHARDS` ([`ShardView`], [`NodeView`],
 //!   [`parse_shards`]).
+//! - [`nodes`]: the typed view of `CLUSTER NODES` ([`NodeLine`], [`parse_nodes`]), what the
+//!   operator forms and heals clusters from.
 //! - `commands`: the other typed helpers, one command each: [`Client::ping`],
 //!   [`Client::cluster_myid`], [`Client::cluster_info`].
 //! - [`error`]: [`Error`], whose [`label`](Error::label) is the metric label.
@@ -20,9 +22,11 @@ pub mod client;
 mod commands;
 pub mod depth;
 pub mod error;
+pub mod nodes;
 pub mod shards;
 
 pub use client::{Client, Timeouts};
 pub use error::Error;
+pub use nodes::{parse_nodes, NodeLine};
 pub use redis_protocol::resp2::types::BytesFrame as Reply;
 pub use shards::{parse_shards, NodeView, ShardView};

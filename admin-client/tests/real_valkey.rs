@@ -224,3 +224,32 @@ async fn a_refused_connection_is_a_connect_error() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn cluster_nodes_agrees_with_cluster_shards() {
+    let cluster = start(ClusterSpec::new(2, 1)).await;
+    let mut client = connect(cluster.nodes()[1].addr()).await;
+    let lines = client.cluster_nodes().await.unwrap();
+    let shards = client.cluster_shards().await.unwrap();
+    assert_eq!(lines.len(), 4, "{lines:#?}");
+    // The answering node is itself, at the address the harness gave it.
+    let me = lines.iter().find(|l| l.is_myself()).unwrap();
+    assert_eq!(
+        format!("{}:{}", me.ip, me.port),
+        cluster.nodes()[1].addr().to_string()
+    );
+    for shard in &shards {
+        for node in &shard.nodes {
+            let line = lines.iter().find(|l| l.id == node.id).unwrap();
+            assert_eq!(line.is_primary(), node.primary, "{line:?}");
+            assert_eq!(line.ip, node.ip);
+            assert!(line.connected && !line.is_failing());
+            if node.primary {
+                assert_eq!(line.slots, shard.slots);
+            } else {
+                let primary = shard.nodes.iter().find(|n| n.primary).unwrap();
+                assert_eq!(line.primary_id.as_deref(), Some(primary.id.as_str()));
+            }
+        }
+    }
+}

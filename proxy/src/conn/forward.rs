@@ -4,7 +4,7 @@
 //! wrapping. [`Forwarder::relay`] is the copy itself, generic over the two streams' halves,
 //! which the TLS port uses with TLS streams (see [`super::tls_port`]).
 //!
-//! Both directions run the one copy loop ([`copy`]): read, let an [`Observer`] see the
+//! Both directions run the one copy loop (`copy`): read, let an `Observer` see the
 //! bytes and say what goes out, write, repeat. Plain forwarding observes nothing; a
 //! rewriting connection's request side notes the commands and its reply side rebuilds the
 //! topology replies (see [`crate::rewrite::stream`]).

@@ -1,6 +1,12 @@
-//! RESP: the scanner that finds frame boundaries in both directions, the frame model that
-//! topology replies are parsed into and re-encoded from, the request classifier, the
-//! pairing of replies with requests, and the rewriters.
+//! RESP, as the data path reads it.
+//!
+//! - [`scanner`]: the resumable scanner that finds frame boundaries in both directions
+//!   without allocating.
+//! - [`frame`]: the frame model topology replies are parsed into and re-encoded from.
+//! - [`request`]: the streaming request scanner (which command, and the arguments that
+//!   matter).
+//! - [`pairing`]: which reply answers which command (pipelining, MULTI/EXEC, CLIENT REPLY,
+//!   pub/sub, MONITOR, RESP3 pushes).
 
 pub mod frame;
 pub mod pairing;

@@ -9,6 +9,17 @@
 //! The special endpoints keep their meaning: a NULL endpoint (same host as dialled), `""`
 //! (unknown) and `"?"` (hostname preferred but none set) stay as they are, with the port
 //! rewritten, since a client pairs them with the host it dialled: the proxy.
+//!
+//! - [`addresses`]: the [`AddressMap`] (internal address or node id → external endpoint),
+//!   built from a route table: the per-port map and the TLS port's SNI map.
+//! - `redirect`: `-MOVED` and `-ASK`.
+//! - `topology`: CLUSTER SLOTS and CLUSTER SHARDS (RESP2 and RESP3).
+//! - `nodes`: CLUSTER NODES and CLUSTER REPLICAS text.
+//! - `replication`: ROLE and INFO replication.
+//! - [`stream`]: the two directions of a rewriting connection: the request side that pairs
+//!   replies with commands, and the reply side that scans frames and rebuilds the
+//!   topology ones.
+//! - here: [`rewrite`] and [`rewrite_to_bytes`], which dispatch one reply to its rewriter.
 
 pub mod addresses;
 mod nodes;

@@ -3,7 +3,7 @@
 //! - [`publisher`]: the [`RoutePublisher`] that validates a table against the proxy's own
 //!   sockets, builds its address maps and swaps the [`Snapshot`] that every listener reads
 //!   ([`RouteRx`]). This is where the table is swapped.
-//! - [`file`]: routes from a YAML route file (the contracts crate's `RouteFile`), polled.
+//! - [`file`](mod@file): routes from a YAML route file (the contracts crate's `RouteFile`), polled.
 //! - [`seed`]: routes discovered from seed nodes ([`crate::discovery`]), refreshed.
 
 pub mod file;
