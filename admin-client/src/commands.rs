@@ -1,4 +1,4 @@
-//! Typed single-command helpers: `PING`, `CLUSTER MYID`, `CLUSTER INFO`.
+//! Typed single-command helpers: `PING`, `CLUSTER MYID`, `CLUSTER INFO`, `INFO`.
 //!
 //! Each is one [`Client::command`] call and a check of the reply's shape.
 
@@ -47,6 +47,20 @@ impl Client {
         match self.command(["CLUSTER", "INFO"]).await? {
             Reply::BulkString(text) => Ok(parse_info(&String::from_utf8_lossy(&text))),
             other => Err(unexpected("CLUSTER INFO", &other).at(self.addr())),
+        }
+    }
+}
+
+impl Client {
+    /// `INFO <section>` as its fields, e.g. `INFO replication`'s `master_link_status` → `up`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::command`], and [`Error::Shape`] unless the reply is a string.
+    pub async fn info(&mut self, section: &str) -> Result<HashMap<String, String>, Error> {
+        match self.command(["INFO", section]).await? {
+            Reply::BulkString(text) => Ok(parse_info(&String::from_utf8_lossy(&text))),
+            other => Err(unexpected("INFO", &other).at(self.addr())),
         }
     }
 }

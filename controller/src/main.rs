@@ -1,21 +1,212 @@
-//! `shardgate-controller`: the operator for `ValkeyCluster` resources.
-//!
-//! Not implemented yet: this binary only documents itself, so that the workspace layout of
-//! the design is complete. It exits with an error rather than pretending to run.
+//! `shardgate-controller`: the operator binary. Parses the command line, sets up logging,
+//! metrics and (optionally) leader election, then runs the controller until SIGTERM/SIGINT
+//! or until it loses the lease.
 
-use clap::Parser;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-/// The shardgate operator: runs `ValkeyCluster` resources (group shardgate.io, v1alpha1) and
-/// their `externalAccess` block (per-shard Services, announce flags, Gateway API TCPRoutes,
-/// external endpoints in status, and the shardgate proxy's Deployment).
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use prometheus_client::registry::Registry;
+use shardgate_controller::leader::LeaderElection;
+use shardgate_controller::metrics::Metrics;
+use shardgate_controller::{run, Context, Scope};
+
+/// The shardgate operator: runs ValkeyCluster resources (group shardgate.io, v1alpha1).
 ///
-/// The reconciler is not implemented yet; see the project's README for what works today
-/// (the proxy, `shardgate-proxy`).
+/// For each ValkeyCluster it makes one StatefulSet per Valkey node, a headless Service, a
+/// ConfigMap with valkey.conf and a PodDisruptionBudget; forms the cluster over RESP (MEET,
+/// ADDSLOTSRANGE, REPLICATE), heals it (FORGET of lost nodes, re-MEET, re-REPLICATE), rolls
+/// config changes one pod at a time with a failover before each primary, and reports
+/// conditions, phase and ready counts in status.
+///
+/// Run it in-cluster (it uses the pod's service account) or with a kubeconfig
+/// (KUBECONFIG or ~/.kube/config). It needs network access to the Valkey pods' IPs.
+///
+/// Examples:
+///   shardgate-controller                                  # every namespace
+///   shardgate-controller --namespace valkey               # one namespace
+///   shardgate-controller --leader-election --lease-namespace shardgate-system
+///
+/// Endpoints on --metrics-addr: /metrics (Prometheus), /healthz, /readyz.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about)]
-struct Args {}
+#[command(version, about, long_about, verbatim_doc_comment)]
+struct Args {
+    /// Watch only this namespace (default: every namespace).
+    #[arg(long, value_name = "NAMESPACE", env = "SHARDGATE_NAMESPACE")]
+    namespace: Option<String>,
 
-fn main() -> anyhow::Result<()> {
-    let _args = Args::parse();
-    anyhow::bail!("shardgate-controller: the reconciler is not implemented yet (see README)")
+    /// Run only while holding a Lease, so that several replicas can run (one leads).
+    #[arg(long)]
+    leader_election: bool,
+
+    /// With --leader-election: the Lease's namespace (default: --namespace, else the
+    /// pod's own namespace from POD_NAMESPACE).
+    #[arg(long, value_name = "NAMESPACE", env = "POD_NAMESPACE")]
+    lease_namespace: Option<String>,
+
+    /// With --leader-election: the Lease's name.
+    #[arg(long, value_name = "NAME", default_value = "shardgate-operator")]
+    lease_name: String,
+
+    /// With --leader-election: how long a lease holds without renewal.
+    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
+    lease_duration: Duration,
+
+    /// This replica's name in the Lease and in events (default: POD_NAME, else the
+    /// host name and process id).
+    #[arg(long, value_name = "ID", env = "POD_NAME")]
+    identity: Option<String>,
+
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn terminated() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
+}
+
+fn identity(args: &Args) -> String {
+    args.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "shardgate-operator".into());
+        format!("{host}-{}", std::process::id())
+    })
+}
+
+async fn main_async(args: Args) -> anyhow::Result<bool> {
+    let client = kube::Client::try_default()
+        .await
+        .context("no Kubernetes configuration (in-cluster service account or kubeconfig)")?;
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::default().register(&mut registry));
+    let http = tokio::spawn(shardgate_controller::http::serve(
+        args.metrics_addr,
+        Arc::new(registry),
+    ));
+    let id = identity(&args);
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        metrics.clone(),
+        Some(id.clone()),
+    ));
+    let scope = Scope {
+        namespace: args.namespace.clone(),
+    };
+    tracing::info!(
+        namespace = args.namespace.as_deref().unwrap_or("(all)"),
+        metrics = %args.metrics_addr,
+        "shardgate operator starting"
+    );
+
+    if !args.leader_election {
+        metrics.leader.set(1);
+        tokio::select! {
+            _ = run(ctx, scope, terminated()) => {}
+            r = http => return Err(anyhow::anyhow!("metrics server on {} stopped: {r:?}", args.metrics_addr)),
+        }
+        return Ok(true);
+    }
+    let lease_ns = args
+        .lease_namespace
+        .clone()
+        .or_else(|| args.namespace.clone())
+        .context("--leader-election needs --lease-namespace (or --namespace, or POD_NAMESPACE)")?;
+    let election = Arc::new(LeaderElection::new(
+        client,
+        &lease_ns,
+        &args.lease_name,
+        &id,
+        args.lease_duration,
+    ));
+    tokio::select! {
+        _ = election.acquire() => {}
+        _ = terminated() => return Ok(true),
+    }
+    metrics.leader.set(1);
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<()>();
+    let holder = election.clone();
+    tokio::spawn(async move {
+        holder.hold().await;
+        let _ = lost_tx.send(());
+    });
+    let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lost_flag = lost.clone();
+    let shutdown = async move {
+        tokio::select! {
+            _ = terminated() => {}
+            _ = lost_rx => lost_flag.store(true, std::sync::atomic::Ordering::SeqCst),
+        }
+    };
+    run(ctx, scope, shutdown).await;
+    metrics.leader.set(0);
+    if lost.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(false);
+    }
+    election.release().await;
+    Ok(true)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("shardgate-controller: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main_async(args)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!(
+                "shardgate-controller: lost the leader lease; exiting so that a restart stands by"
+            );
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("shardgate-controller: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -12,6 +12,38 @@ pub mod labels {
     pub const NODE_INDEX: &str = "shardgate.io/node-index";
 }
 
+/// The names of the objects the operator makes for a cluster, and the node names Valkey
+/// announces (`cluster-announce-human-nodename`): one helper each, so that the operator, the
+/// tests and `kubectl get` agree.
+pub mod objects {
+    use crate::ports::NodeRef;
+
+    /// One node's StatefulSet, and its human node name: `<cluster>-<s>-<n>`.
+    pub fn node(cluster: &str, node: NodeRef) -> String {
+        format!("{cluster}-{node}")
+    }
+
+    /// The headless Service that gives the pods their DNS names.
+    pub fn headless_service(cluster: &str) -> String {
+        format!("{cluster}-nodes")
+    }
+
+    /// The ConfigMap holding `valkey.conf`.
+    pub fn config_map(cluster: &str) -> String {
+        format!("{cluster}-config")
+    }
+
+    /// The PodDisruptionBudget of all the cluster's pods.
+    pub fn disruption_budget(cluster: &str) -> String {
+        cluster.to_string()
+    }
+
+    /// The longest cluster name whose objects and pods stay within Kubernetes' limits: a
+    /// StatefulSet's pods carry a `controller-revision-hash` label of the name plus 11
+    /// characters, and labels hold 63 (so 52 for the StatefulSet, less `-<s>-<n>`).
+    pub const MAX_CLUSTER_NAME: usize = 40;
+}
+
 /// `<prefix>-<s>.<domain>`: a shard's name.
 pub fn shard_hostname(prefix: &str, shard: ShardIndex, domain: &str) -> String {
     format!("{prefix}-{shard}.{domain}")

@@ -1,0 +1,102 @@
+//! The ConfigMap with `valkey.conf`, and the hash of its text that the pods carry, so that a
+//! config change rolls them.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use kube::ResourceExt;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use shardgate_crds::names::objects;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::objects::{apply, build, cluster_labels, namespace, owner};
+
+/// The client port every node listens on, inside its pod.
+pub const CLIENT_PORT: u16 = 6379;
+/// The cluster bus port: the client port + 10000, as Valkey derives it.
+pub const BUS_PORT: u16 = CLIENT_PORT + 10000;
+
+/// Settings the operator decides, which `spec.config` may not set.
+const OWNED: &[&str] = &[
+    "port",
+    "cluster-enabled",
+    "cluster-config-file",
+    "dir",
+    "bind",
+    "cluster-announce-ip",
+    "cluster-announce-human-nodename",
+    "cluster-announce-hostname",
+    "cluster-announce-client-port",
+    "cluster-announce-client-tls-port",
+];
+
+/// What every node runs with, before the user's `spec.config`.
+const BASE: &[(&str, &str)] = &[
+    ("cluster-enabled", "yes"),
+    ("cluster-config-file", "nodes.conf"),
+    ("cluster-node-timeout", "5000"),
+    ("appendonly", "yes"),
+    ("protected-mode", "no"),
+];
+
+/// The text of `valkey.conf`: the base settings, the port, then `spec.config` (sorted, so
+/// the text and its hash are stable); a user setting replaces a base one of the same name.
+pub fn render(vc: &ValkeyCluster) -> Result<String> {
+    let mut settings: BTreeMap<String, String> = BASE
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    for (key, value) in &vc.spec.config {
+        let k = key.to_ascii_lowercase();
+        if OWNED.contains(&k.as_str()) {
+            return Err(Error::Invalid(format!(
+                "spec.config.{key}: set by the operator (it must match the pods and the cluster)"
+            )));
+        }
+        if key.is_empty() || key.contains(char::is_whitespace) || value.contains(['\n', '\r']) {
+            return Err(Error::Invalid(format!(
+                "spec.config.{key}: a key is one word and a value one line"
+            )));
+        }
+        settings.insert(k, value.clone());
+    }
+    let mut text = format!("port {CLIENT_PORT}\n");
+    for (k, v) in &settings {
+        let _ = writeln!(text, "{k} {v}");
+    }
+    Ok(text)
+}
+
+/// A short, stable hash of the config text.
+pub fn hash(text: &str) -> String {
+    let digest = Sha256::digest(text.as_bytes());
+    digest[..8].iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// Applies the ConfigMap; returns the config's hash.
+pub async fn apply_config(vc: &ValkeyCluster, ctx: &Context) -> Result<String> {
+    let text = render(vc)?;
+    let cm: ConfigMap = build(
+        "ConfigMap",
+        json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": objects::config_map(&vc.name_any()),
+                "labels": cluster_labels(vc),
+                "ownerReferences": [owner(vc)?],
+            },
+            "data": { "valkey.conf": text },
+        }),
+    )?;
+    apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &cm).await?;
+    Ok(hash(&text))
+}

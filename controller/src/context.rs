@@ -1,0 +1,41 @@
+//! What every reconcile shares: the API client, the event recorder, metrics and settings.
+
+use std::sync::Arc;
+
+use kube::runtime::events::{Recorder, Reporter};
+use kube::Client;
+use shardgate_admin_client::Timeouts;
+
+use crate::metrics::Metrics;
+
+/// The field manager of every object the operator applies (server-side apply).
+pub const FIELD_MANAGER: &str = "shardgate-operator";
+
+/// The one dependency seam of the reconciler.
+#[derive(Clone)]
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    /// How long the operator waits for a Valkey node.
+    pub timeouts: Timeouts,
+    /// Consecutive failures per cluster, for the retry backoff.
+    pub backoff: crate::reconcile::Backoff,
+}
+
+impl Context {
+    /// A context whose events are reported as `instance` of the operator.
+    pub fn new(client: Client, metrics: Arc<Metrics>, instance: Option<String>) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance,
+        };
+        Context {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            timeouts: Timeouts::default(),
+            backoff: Default::default(),
+        }
+    }
+}

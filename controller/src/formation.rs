@@ -1,0 +1,463 @@
+//! Cluster formation and healing, by talking RESP to the pods: one step per reconcile.
+//!
+//! [`step`] looks at every node (its id and its `CLUSTER NODES` view), does the first thing
+//! the cluster needs, and says what it did or what it waits for. It is idempotent: a formed
+//! cluster is left alone, and a step that was cut short is taken again next time. In order:
+//!
+//! 1. every pod runs and answers (else wait);
+//! 2. a fresh node gets its config epoch (`CLUSTER SET-CONFIG-EPOCH`), so that the first
+//!    slot assignment does not start with epoch collisions;
+//! 3. nodes the others do not know, or know at an old address (a pod that came back on a
+//!    new IP), are introduced (`CLUSTER MEET`);
+//! 4. nodes no pod has any more (a pod wiped and restarted with a new id) are forgotten on
+//!    every node (`CLUSTER FORGET`);
+//! 5. slots no node serves are given to their shard's primary (`CLUSTER ADDSLOTSRANGE`):
+//!    all of them on a new cluster, the lost ones after a shard lost every copy;
+//! 6. a node that is not a replica of its shard's primary becomes one (`CLUSTER
+//!    REPLICATE`): new replicas, a wiped node, a replica that lost its primary;
+//! 7. formed: every slot served, every node agrees the cluster is ok, each shard has one
+//!    primary and its replicas.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use shardgate_admin_client::{Client, NodeLine, Timeouts};
+use shardgate_crds::NodeRef;
+
+/// Hash slots in a cluster.
+pub const SLOTS: u32 = 16384;
+
+/// The slots shard `shard` of `shards` starts with: an even split, as `valkey-cli --cluster
+/// create` makes it.
+pub fn initial_slots(shard: u32, shards: u32) -> (u16, u16) {
+    // valkey-cli rounds each shard's end to the nearest slot.
+    let edge = |s: u32| (2 * SLOTS * s + shards) / (2 * shards);
+    (edge(shard) as u16, (edge(shard + 1) - 1) as u16)
+}
+
+/// The shard whose initial range holds `slot`.
+fn home_shard(slot: u16, shards: u32) -> u32 {
+    (0..shards)
+        .find(|&s| {
+            let (lo, hi) = initial_slots(s, shards);
+            (lo..=hi).contains(&slot)
+        })
+        .unwrap_or(0)
+}
+
+/// What formation needs to know of the desired cluster.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub shards: u32,
+    pub replicas: u32,
+    /// Every desired node with its pod's address, if it has one and is ready.
+    pub nodes: BTreeMap<NodeRef, Option<SocketAddr>>,
+    pub timeouts: Timeouts,
+}
+
+/// What a step did, or why it did nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// Nothing to do until something else happens (a pod starts, gossip spreads).
+    Waiting(String),
+    /// It changed the cluster: look again soon.
+    Acted(String),
+    /// The cluster is whole.
+    Formed(Formed),
+}
+
+/// A formed cluster, as observed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Formed {
+    /// Each node's id and whether it is its shard's primary now.
+    pub nodes: BTreeMap<NodeRef, NodeState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeState {
+    pub id: String,
+    pub primary: bool,
+}
+
+impl fmt::Display for Progress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Progress::Waiting(why) => write!(f, "waiting: {why}"),
+            Progress::Acted(what) => f.write_str(what),
+            Progress::Formed(formed) => write!(f, "formed ({} nodes)", formed.nodes.len()),
+        }
+    }
+}
+
+/// Why a step failed: a node misbehaved in a way waiting will not fix.
+#[derive(Debug, thiserror::Error)]
+pub enum FormationError {
+    #[error("node {node} ({addr}): {source}")]
+    Node {
+        node: NodeRef,
+        addr: SocketAddr,
+        #[source]
+        source: shardgate_admin_client::Error,
+    },
+}
+
+impl FormationError {
+    pub fn label(&self) -> &'static str {
+        match self {
+            FormationError::Node { source, .. } => source.label(),
+        }
+    }
+}
+
+/// One node, connected, with what it says.
+struct Seen {
+    node: NodeRef,
+    addr: SocketAddr,
+    client: Client,
+    id: String,
+    view: Vec<NodeLine>,
+}
+
+impl Seen {
+    fn me(&self) -> Option<&NodeLine> {
+        self.view.iter().find(|l| l.is_myself())
+    }
+
+    /// Whether this node knows `other` at its current address, past the handshake.
+    fn knows(&self, other: &Seen) -> bool {
+        self.view.iter().any(|l| {
+            l.id == other.id
+                && !l.is_joining()
+                && l.ip.parse::<IpAddr>().ok() == Some(other.addr.ip())
+                && l.port == other.addr.port()
+        })
+    }
+
+    async fn run(&mut self, args: &[&str]) -> Result<(), FormationError> {
+        self.client
+            .command(args)
+            .await
+            .map(|_| ())
+            .map_err(|source| FormationError::Node {
+                node: self.node,
+                addr: self.addr,
+                source,
+            })
+    }
+}
+
+/// Takes one step towards the formed cluster `plan` describes.
+pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
+    // 1. Every pod runs and answers.
+    let mut seen = Vec::new();
+    for (&node, addr) in &plan.nodes {
+        let Some(addr) = *addr else {
+            return Ok(Progress::Waiting(format!("node {node} has no ready pod")));
+        };
+        let mut client = match Client::connect(addr, plan.timeouts).await {
+            Ok(c) => c,
+            Err(e) => return Ok(Progress::Waiting(format!("node {node} at {addr}: {e}"))),
+        };
+        let view = match client.cluster_nodes().await {
+            Ok(v) => v,
+            Err(e) => return Ok(Progress::Waiting(format!("node {node} at {addr}: {e}"))),
+        };
+        let Some(id) = view.iter().find(|l| l.is_myself()).map(|l| l.id.clone()) else {
+            return Ok(Progress::Waiting(format!(
+                "node {node} at {addr}: CLUSTER NODES has no myself line"
+            )));
+        };
+        seen.push(Seen {
+            node,
+            addr,
+            client,
+            id,
+            view,
+        });
+    }
+    if seen.is_empty() {
+        return Ok(Progress::Waiting("no nodes".into()));
+    }
+
+    // 2. Fresh nodes get distinct config epochs before they meet anyone.
+    let mut acted = Vec::new();
+    for (i, s) in seen.iter_mut().enumerate() {
+        let fresh = s.view.len() == 1 && s.me().is_some_and(|m| m.config_epoch == 0);
+        if fresh && plan.nodes.len() > 1 {
+            let epoch = (i + 1).to_string();
+            // A node that met someone meanwhile refuses; that is fine, gossip settles it.
+            let _ = s.run(&["CLUSTER", "SET-CONFIG-EPOCH", &epoch]).await;
+        }
+    }
+
+    // 3. Introduce nodes the others do not know, or know at an old address. The introducer
+    // is the node that knows the most nodes (an established cluster member).
+    let introducer = (0..seen.len())
+        .max_by_key(|&i| (seen[i].view.len(), std::cmp::Reverse(i)))
+        .unwrap_or(0);
+    let strangers: Vec<(String, SocketAddr)> = seen
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| *i != introducer && !seen[introducer].knows(s))
+        .map(|(_, s)| (s.id.clone(), s.addr))
+        .collect();
+    for (id, addr) in &strangers {
+        let (ip, port) = (addr.ip().to_string(), addr.port().to_string());
+        seen[introducer]
+            .run(&["CLUSTER", "MEET", &ip, &port])
+            .await?;
+        acted.push(format!("introduced {id:.8} at {addr}"));
+    }
+    if !acted.is_empty() {
+        return Ok(Progress::Acted(acted.join("; ")));
+    }
+    // Everyone must know everyone before slots and roles are decided.
+    for a in &seen {
+        for b in &seen {
+            if a.id != b.id && !a.knows(b) {
+                return Ok(Progress::Waiting(format!(
+                    "node {} does not know node {} yet (gossip)",
+                    a.node, b.node
+                )));
+            }
+        }
+    }
+
+    // 4. Forget nodes no pod has any more.
+    let current: BTreeSet<String> = seen.iter().map(|s| s.id.clone()).collect();
+    let gone: BTreeSet<String> = seen
+        .iter()
+        .flat_map(|s| s.view.iter())
+        .filter(|l| !current.contains(&l.id))
+        .map(|l| l.id.clone())
+        .collect();
+    for id in &gone {
+        let mut sent = false;
+        for s in seen.iter_mut() {
+            if !s.view.iter().any(|l| &l.id == id) {
+                continue;
+            }
+            // A replica refuses to forget its own primary; it is re-attached below and then
+            // forgets it next time.
+            if s.me().and_then(|m| m.primary_id.as_deref()) == Some(id.as_str()) {
+                continue;
+            }
+            s.run(&["CLUSTER", "FORGET", id]).await?;
+            sent = true;
+        }
+        if sent {
+            acted.push(format!("forgot {id:.8}, which no pod has any more"));
+        }
+    }
+    if !acted.is_empty() {
+        return Ok(Progress::Acted(acted.join("; ")));
+    }
+
+    // Each shard's primary: the shard's node that serves slots, per the introducer's view.
+    let view = seen[introducer].view.clone();
+    let line = |id: &str| view.iter().find(|l| l.id == id);
+    let mut primaries: BTreeMap<u32, usize> = BTreeMap::new();
+    for (i, s) in seen.iter().enumerate() {
+        if line(&s.id).is_some_and(|l| l.is_primary() && !l.slots.is_empty()) {
+            if let Some(&other) = primaries.get(&s.node.shard.0) {
+                return Ok(Progress::Waiting(format!(
+                    "shard {} has two primaries serving slots (nodes {} and {}); \
+                     waiting for a failover or a migration to settle",
+                    s.node.shard, seen[other].node, s.node
+                )));
+            }
+            primaries.insert(s.node.shard.0, i);
+        }
+    }
+
+    // 5. Slots nobody serves go to their shard's primary, or its node 0 on a new shard.
+    // Served as far as anyone knows: the introducer's view and each node's own (gossip may
+    // not have carried a fresh assignment to the introducer yet).
+    let mut served = vec![false; SLOTS as usize];
+    let own = seen.iter().filter_map(|s| s.me());
+    for l in view.iter().chain(own) {
+        if l.is_primary() {
+            for &(a, b) in &l.slots {
+                for slot in a..=b {
+                    served[usize::from(slot)] = true;
+                }
+            }
+        }
+    }
+    let mut missing: BTreeMap<u32, Vec<(u16, u16)>> = BTreeMap::new();
+    let mut slot = 0u32;
+    while slot < SLOTS {
+        if served[slot as usize] {
+            slot += 1;
+            continue;
+        }
+        let start = slot as u16;
+        let shard = home_shard(start, plan.shards);
+        let (_, home_hi) = initial_slots(shard, plan.shards);
+        while slot < SLOTS && !served[slot as usize] && slot <= u32::from(home_hi) {
+            slot += 1;
+        }
+        missing
+            .entry(shard)
+            .or_default()
+            .push((start, (slot - 1) as u16));
+    }
+    for (shard, ranges) in &missing {
+        let owner = match primaries.get(shard) {
+            Some(&i) => i,
+            None => match seen
+                .iter()
+                .position(|s| s.node.shard.0 == *shard && s.node.node.0 == 0)
+            {
+                Some(i) => i,
+                None => continue,
+            },
+        };
+        // A replica cannot take slots; it would be reset first, which is not ours to do.
+        if line(&seen[owner].id).is_some_and(|l| !l.is_primary()) {
+            return Ok(Progress::Waiting(format!(
+                "slots of shard {shard} are not served and its node {} is a replica",
+                seen[owner].node
+            )));
+        }
+        let mut args = vec!["CLUSTER".to_string(), "ADDSLOTSRANGE".to_string()];
+        for (a, b) in ranges {
+            args.push(a.to_string());
+            args.push(b.to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        seen[owner].run(&args).await?;
+        let count: u32 = ranges
+            .iter()
+            .map(|(a, b)| u32::from(*b) - u32::from(*a) + 1)
+            .sum();
+        acted.push(format!(
+            "assigned {count} slots to shard {shard} (node {})",
+            seen[owner].node
+        ));
+    }
+    if !acted.is_empty() {
+        return Ok(Progress::Acted(acted.join("; ")));
+    }
+
+    // 6. Every other node of a shard replicates its primary.
+    for i in 0..seen.len() {
+        let shard = seen[i].node.shard.0;
+        let Some(&p) = primaries.get(&shard) else {
+            return Ok(Progress::Waiting(format!(
+                "shard {shard} has no primary yet"
+            )));
+        };
+        if p == i {
+            continue;
+        }
+        let primary_id = seen[p].id.clone();
+        let me = seen[i].me().cloned();
+        let attached = me
+            .as_ref()
+            .is_some_and(|m| m.primary_id.as_deref() == Some(primary_id.as_str()));
+        if attached {
+            continue;
+        }
+        if me.as_ref().is_some_and(|m| !m.slots.is_empty()) {
+            return Ok(Progress::Waiting(format!(
+                "node {} serves slots but shard {shard}'s primary is node {}",
+                seen[i].node, seen[p].node
+            )));
+        }
+        seen[i].run(&["CLUSTER", "REPLICATE", &primary_id]).await?;
+        acted.push(format!(
+            "node {} now replicates node {}",
+            seen[i].node, seen[p].node
+        ));
+    }
+    if !acted.is_empty() {
+        return Ok(Progress::Acted(acted.join("; ")));
+    }
+
+    // 7. Formed when every node says so.
+    for s in seen.iter_mut() {
+        let info = match s.client.cluster_info().await {
+            Ok(i) => i,
+            Err(e) => return Ok(Progress::Waiting(format!("node {}: {e}", s.node))),
+        };
+        if info.get("cluster_state").map(String::as_str) != Some("ok") {
+            return Ok(Progress::Waiting(format!(
+                "node {} reports cluster_state {}",
+                s.node,
+                info.get("cluster_state").map_or("?", |v| v)
+            )));
+        }
+    }
+    // Replicas hold a copy: their link to the primary is up (a replica that never synced
+    // cannot take over).
+    for (i, s) in seen.iter_mut().enumerate() {
+        if primaries.get(&s.node.shard.0) == Some(&i) {
+            continue;
+        }
+        let info = match s.client.info("replication").await {
+            Ok(i) => i,
+            Err(e) => return Ok(Progress::Waiting(format!("node {}: {e}", s.node))),
+        };
+        if info.get("master_link_status").map(String::as_str) != Some("up") {
+            return Ok(Progress::Waiting(format!(
+                "node {} is still copying its primary's data",
+                s.node
+            )));
+        }
+    }
+    for s in &seen {
+        if s.view
+            .iter()
+            .any(|l| !l.is_myself() && (!l.connected || l.is_failing()))
+        {
+            return Ok(Progress::Waiting(format!(
+                "node {} sees a node failing or disconnected",
+                s.node
+            )));
+        }
+    }
+    Ok(Progress::Formed(Formed {
+        nodes: seen
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let primary = primaries.get(&s.node.shard.0) == Some(&i);
+                (
+                    s.node,
+                    NodeState {
+                        id: s.id.clone(),
+                        primary,
+                    },
+                )
+            })
+            .collect(),
+    }))
+}
+
+/// How long to wait before the next step, after `progress`.
+pub fn next_look(progress: &Progress) -> Duration {
+    match progress {
+        Progress::Acted(_) => Duration::from_secs(1),
+        Progress::Waiting(_) => Duration::from_secs(3),
+        Progress::Formed(_) => Duration::from_secs(30),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn initial_slots_split_like_valkey_cli() {
+        // valkey-cli --cluster create with 3 primaries: 0-5460, 5461-10922, 10923-16383.
+        assert_eq!(initial_slots(0, 3), (0, 5460));
+        assert_eq!(initial_slots(1, 3), (5461, 10922));
+        assert_eq!(initial_slots(2, 3), (10923, 16383));
+        assert_eq!(initial_slots(0, 1), (0, 16383));
+        assert_eq!(home_shard(5461, 3), 1);
+        assert_eq!(home_shard(16383, 3), 2);
+    }
+}

@@ -1,0 +1,35 @@
+//! The shardgate operator: runs `ValkeyCluster` resources.
+//!
+//! - [`reconcile`]: the reconciler, the error policy and the controller that runs them.
+//! - Children, one file per kind, each applied with server-side apply under one field
+//!   manager: [`configmap`] (`valkey.conf` and its hash), [`service`] (the headless
+//!   Service), [`statefulset`] (one per node), [`pdb`].
+//! - [`pods`]: each node's pod (address, readiness, config hash) from the index labels.
+//! - [`formation`]: forming and healing the cluster over RESP (MEET, FORGET, ADDSLOTSRANGE,
+//!   REPLICATE), one step per reconcile.
+//! - [`rolling`]: config changes, one pod at a time, replicas first, failover first.
+//! - [`status`]: conditions, phase and counts, written with server-side apply.
+//! - [`leader`]: leader election on a Lease.
+//! - [`context`], [`error`], [`metrics`], [`objects`] (labels, owner references, apply),
+//!   [`http`] (`/metrics`, `/healthz`, `/readyz`).
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
+
+pub mod configmap;
+pub mod context;
+pub mod error;
+pub mod formation;
+pub mod http;
+pub mod leader;
+pub mod metrics;
+pub mod objects;
+pub mod pdb;
+pub mod pods;
+pub mod reconcile;
+pub mod rolling;
+pub mod service;
+pub mod statefulset;
+pub mod status;
+
+pub use context::Context;
+pub use error::{Error, Result};
+pub use reconcile::{run, Scope};

@@ -1,0 +1,81 @@
+//! The cluster's pods as the operator sees them: each node's pod address, readiness and
+//! config hash, read from the pods' index labels.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::ResourceExt;
+use shardgate_crds::names::labels;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_crds::NodeRef;
+
+use crate::configmap::CLIENT_PORT;
+use crate::context::Context;
+use crate::error::Result;
+use crate::objects::{cluster_selector, namespace};
+use crate::statefulset::CONFIG_HASH;
+
+/// One node's pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePod {
+    pub name: String,
+    /// Where its Valkey listens, once it has an IP.
+    pub addr: Option<SocketAddr>,
+    pub ready: bool,
+    /// The config hash it was started with.
+    pub config_hash: Option<String>,
+    pub deleting: bool,
+}
+
+/// The pods of a cluster.
+#[derive(Debug, Default)]
+pub struct Pods {
+    pub nodes: BTreeMap<NodeRef, NodePod>,
+    /// Pods that carry the cluster's labels but not both index labels: an error each, never
+    /// a silent default.
+    pub unlabelled: Vec<String>,
+}
+
+/// Lists the pods of `vc`.
+pub async fn observe(vc: &ValkeyCluster, ctx: &Context) -> Result<Pods> {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
+    let list = api
+        .list(&ListParams::default().labels(&cluster_selector(vc)))
+        .await?;
+    let mut pods = Pods::default();
+    for pod in list {
+        let Some(node) = index_of(&pod) else {
+            pods.unlabelled.push(pod.name_any());
+            continue;
+        };
+        let status = pod.status.as_ref();
+        let addr = status
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse::<IpAddr>().ok())
+            .map(|ip| SocketAddr::new(ip, CLIENT_PORT));
+        let ready = status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        pods.nodes.insert(
+            node,
+            NodePod {
+                name: pod.name_any(),
+                addr,
+                ready,
+                config_hash: pod.annotations().get(CONFIG_HASH).cloned(),
+                deleting: pod.metadata.deletion_timestamp.is_some(),
+            },
+        );
+    }
+    Ok(pods)
+}
+
+/// A pod's node, from its index labels.
+pub fn index_of(pod: &Pod) -> Option<NodeRef> {
+    let l = pod.labels();
+    let shard = l.get(labels::SHARD_INDEX)?.parse().ok()?;
+    let node = l.get(labels::NODE_INDEX)?.parse().ok()?;
+    Some(NodeRef::new(shard, node))
+}

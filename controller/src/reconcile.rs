@@ -1,0 +1,261 @@
+//! The reconciler: one function that makes a `ValkeyCluster`'s children and cluster match
+//! its spec, the error policy, and the controller that runs them.
+//!
+//! A reconcile only orchestrates: the children (one file each), then formation and healing
+//! ([`crate::formation`]), then rolling config changes ([`crate::rolling`]), then status
+//! ([`crate::status`]). Events are published for every change made and every failure.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use shardgate_crds::names::labels;
+use shardgate_crds::names::objects::MAX_CLUSTER_NAME;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+use tracing::{info, warn};
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::formation::{self, Plan, Progress};
+use crate::metrics::{ActionLabels, ErrorLabels};
+use crate::status::Observed;
+use crate::{configmap, pdb, pods, rolling, service, statefulset, status};
+
+/// Reconciles one cluster. Errors are published as Warning events and retried by
+/// [`error_policy`].
+pub async fn reconcile(vc: Arc<ValkeyCluster>, ctx: Arc<Context>) -> Result<Action> {
+    let _measure = ctx.metrics.measure();
+    match apply(&vc, &ctx).await {
+        Ok(action) => {
+            ctx.failures(&vc, Some(0));
+            Ok(action)
+        }
+        Err(e) => {
+            publish(
+                &ctx,
+                &vc,
+                EventType::Warning,
+                "ReconcileFailed",
+                &e.to_string(),
+            )
+            .await;
+            Err(e)
+        }
+    }
+}
+
+async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
+    let name = vc.name_any();
+    // Being deleted: the garbage collector takes the children (owner references).
+    if vc.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    if name.len() > MAX_CLUSTER_NAME {
+        return Err(Error::Invalid(format!(
+            "metadata.name: {name:?} is longer than {MAX_CLUSTER_NAME} characters (pod labels \
+             would pass Kubernetes' 63)"
+        )));
+    }
+    vc.spec
+        .validate()
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+
+    let hash = configmap::apply_config(vc, ctx).await?;
+    service::apply_headless(vc, ctx).await?;
+    let nodes: Vec<_> = vc.spec.node_refs().collect();
+    for &node in &nodes {
+        statefulset::apply_node(vc, ctx, node, &hash).await?;
+    }
+    pdb::apply_budget(vc, ctx).await?;
+
+    let pods = pods::observe(vc, ctx).await?;
+    for pod in &pods.unlabelled {
+        let note = format!(
+            "pod {pod} has the cluster's labels but not both {} and {}; it is left out",
+            labels::SHARD_INDEX,
+            labels::NODE_INDEX
+        );
+        publish(ctx, vc, EventType::Warning, "MissingIndexLabel", &note).await;
+    }
+    let plan = Plan {
+        shards: vc.spec.shards as u32,
+        replicas: vc.spec.replicas as u32,
+        nodes: nodes
+            .iter()
+            .map(|n| {
+                let addr = pods
+                    .nodes
+                    .get(n)
+                    .filter(|p| p.ready && !p.deleting)
+                    .and_then(|p| p.addr);
+                (*n, addr)
+            })
+            .collect(),
+        timeouts: ctx.timeouts,
+    };
+    let mut progress = formation::step(&plan).await?;
+    if let Progress::Acted(what) = &progress {
+        ctx.metrics
+            .actions
+            .get_or_create(&ActionLabels {
+                action: "formation",
+            })
+            .inc();
+        info!(cluster = %name, "{what}");
+        publish(ctx, vc, EventType::Normal, "Formation", what).await;
+    }
+    let stale: Vec<_> = nodes
+        .iter()
+        .filter(|n| {
+            pods.nodes
+                .get(n)
+                .is_none_or(|p| p.config_hash.as_deref() != Some(hash.as_str()))
+        })
+        .copied()
+        .collect();
+    if let Progress::Formed(formed) = &progress {
+        if let Some(what) = rolling::step(vc, ctx, &pods, formed, &stale).await? {
+            ctx.metrics
+                .actions
+                .get_or_create(&ActionLabels { action: "rolling" })
+                .inc();
+            info!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Normal, "RollingConfig", &what).await;
+            progress = Progress::Acted(what);
+        }
+    }
+
+    let was_ready = status::condition(vc, "Ready").is_some_and(|c| c.status == "True");
+    let conditions = status::patch(
+        vc,
+        ctx,
+        &Observed {
+            progress: &progress,
+            pods: &pods,
+            desired_nodes: nodes.len(),
+            shards: vc.spec.shards as u32,
+            rolling: stale.len(),
+        },
+    )
+    .await?;
+    if let Some(ready) = conditions.iter().find(|c| c.type_ == "Ready") {
+        if ready.status != was_ready {
+            let (kind, reason) = if ready.status {
+                (EventType::Normal, "Ready")
+            } else {
+                (EventType::Warning, "NotReady")
+            };
+            publish(ctx, vc, kind, reason, &ready.message).await;
+        }
+    }
+    Ok(Action::requeue(formation::next_look(&progress)))
+}
+
+/// Logs and counts a failed reconcile, and retries it with exponential backoff (1 s, 2 s,
+/// ... up to 5 minutes) per cluster.
+pub fn error_policy(vc: Arc<ValkeyCluster>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics
+        .failures
+        .get_or_create(&ErrorLabels {
+            error: error.label(),
+        })
+        .inc();
+    let n = ctx.failures(&vc, None);
+    let delay = Duration::from_secs(1u64 << n.min(8)).min(Duration::from_secs(300));
+    warn!(cluster = %vc.name_any(), retry_in = ?delay, "reconcile failed: {error}");
+    Action::requeue(delay)
+}
+
+impl Context {
+    /// The cluster's consecutive failures, counted up by one (`None`) or set.
+    fn failures(&self, vc: &ValkeyCluster, set: Option<u32>) -> u32 {
+        let key = ObjectRef::from_obj(vc);
+        let mut map = self.backoff.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(key).or_insert(0);
+        *n = set.unwrap_or(*n + 1);
+        *n
+    }
+}
+
+/// Per-cluster consecutive failures, for the backoff.
+pub type Backoff = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
+
+/// Publishes an event about `vc`; a failure to publish is logged, not fatal.
+async fn publish(ctx: &Context, vc: &ValkeyCluster, type_: EventType, reason: &str, note: &str) {
+    let event = Event {
+        type_,
+        reason: reason.into(),
+        // Events hold at most 1 kB of note.
+        note: Some(note.chars().take(1000).collect()),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &vc.object_ref(&())).await {
+        warn!(cluster = %vc.name_any(), "cannot publish event {reason}: {e}");
+    }
+}
+
+/// Which clusters the operator watches.
+#[derive(Debug, Clone, Default)]
+pub struct Scope {
+    /// One namespace, or every namespace.
+    pub namespace: Option<String>,
+}
+
+impl Scope {
+    fn api<K>(&self, client: &Client) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as Resource>::DynamicType: Default,
+    {
+        match &self.namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    ctx: Arc<Context>,
+    scope: Scope,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = ctx.client.clone();
+    let managed = watcher::Config::default().labels(&format!(
+        "{}={}",
+        labels::MANAGED_BY,
+        labels::MANAGED_BY_VALUE
+    ));
+    Controller::new(
+        scope.api::<ValkeyCluster>(&client),
+        watcher::Config::default(),
+    )
+    .owns(scope.api::<StatefulSet>(&client), managed.clone())
+    .owns(scope.api::<ConfigMap>(&client), managed.clone())
+    .owns(scope.api::<Service>(&client), managed.clone())
+    // Pods belong to the StatefulSets; their readiness and IPs matter to formation.
+    .watches(scope.api::<Pod>(&client), managed, |pod: Pod| {
+        let ns = pod.namespace()?;
+        let cluster = pod.labels().get(labels::INSTANCE)?.clone();
+        Some(ObjectRef::<ValkeyCluster>::new(&cluster).within(&ns))
+    })
+    .graceful_shutdown_on(shutdown)
+    .run(reconcile, error_policy, ctx)
+    .for_each(|result| async move {
+        match result {
+            Ok((obj, _)) => tracing::debug!(cluster = %obj.name, "reconciled"),
+            Err(e) => tracing::debug!("controller: {e}"),
+        }
+    })
+    .await;
+}

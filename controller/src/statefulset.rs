@@ -1,0 +1,150 @@
+//! One StatefulSet (one replica) per Valkey node, named `<cluster>-<s>-<n>`: a node keeps
+//! its name, its index labels and (with persistence) its volume whatever happens to its pod.
+//! The pod template carries the config hash, so a new `valkey.conf` rolls the pods (the
+//! operator decides when: see [`crate::rolling`]).
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use kube::api::Api;
+use kube::ResourceExt;
+use serde_json::{json, Value};
+use shardgate_crds::names::objects;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_crds::NodeRef;
+
+use crate::configmap::{BUS_PORT, CLIENT_PORT};
+use crate::context::Context;
+use crate::error::Result;
+use crate::objects::{apply, build, namespace, node_labels, owner};
+
+/// The pod annotation holding the config hash.
+pub const CONFIG_HASH: &str = "shardgate.io/config-hash";
+
+/// Where `valkey.conf` and the data live in the pod.
+const CONFIG_DIR: &str = "/config";
+const DATA_DIR: &str = "/data";
+
+/// The StatefulSet of `node`, whose pods run with the config of hash `config_hash`.
+pub fn build_node(vc: &ValkeyCluster, node: NodeRef, config_hash: &str) -> Result<StatefulSet> {
+    let cluster = vc.name_any();
+    let name = objects::node(&cluster, node);
+    let labels = node_labels(vc, node);
+    let command = vec![
+        "valkey-server".to_string(),
+        format!("{CONFIG_DIR}/valkey.conf"),
+        // On the command line, not in the file: paths in the file would not follow a
+        // relocated mount, and the announced address is the pod's own.
+        "--dir".into(),
+        DATA_DIR.into(),
+        "--cluster-announce-ip".into(),
+        "$(POD_IP)".into(),
+        "--cluster-announce-human-nodename".into(),
+        name.clone(),
+    ];
+    let mut container = json!({
+        "name": "valkey",
+        "image": vc.spec.image,
+        "command": command,
+        "env": [{ "name": "POD_IP", "valueFrom": { "fieldRef": { "fieldPath": "status.podIP" } } }],
+        "ports": [
+            { "name": "client", "containerPort": CLIENT_PORT, "protocol": "TCP" },
+            { "name": "bus", "containerPort": BUS_PORT, "protocol": "TCP" },
+        ],
+        "readinessProbe": {
+            "tcpSocket": { "port": CLIENT_PORT },
+            "periodSeconds": 2,
+            "failureThreshold": 3,
+        },
+        "volumeMounts": [
+            { "name": "config", "mountPath": CONFIG_DIR, "readOnly": true },
+            { "name": "data", "mountPath": DATA_DIR },
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "capabilities": { "drop": ["ALL"] },
+        },
+    });
+    if let Some(resources) = &vc.spec.resources {
+        container["resources"] =
+            serde_json::to_value(resources).map_err(|source| crate::error::Error::Build {
+                what: "resources".into(),
+                source,
+            })?;
+    }
+    let mut volumes = vec![json!({
+        "name": "config",
+        "configMap": { "name": objects::config_map(&cluster) },
+    })];
+    let mut claims: Vec<Value> = Vec::new();
+    match &vc.spec.persistence {
+        Some(p) => {
+            let mut spec = json!({
+                "accessModes": ["ReadWriteOnce"],
+                "resources": { "requests": { "storage": p.size } },
+            });
+            if let Some(class) = &p.storage_class_name {
+                spec["storageClassName"] = json!(class);
+            }
+            claims.push(json!({ "metadata": { "name": "data" }, "spec": spec }));
+        }
+        None => volumes.push(json!({ "name": "data", "emptyDir": {} })),
+    }
+    let mut sts = json!({
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {
+                "name": name,
+                "labels": labels,
+                "ownerReferences": [owner(vc)?],
+            },
+            "spec": {
+                "replicas": 1,
+                "serviceName": objects::headless_service(&cluster),
+                "podManagementPolicy": "Parallel",
+                // The operator replaces pods itself, one at a time and after a failover
+                // (crate::rolling); the StatefulSet controller must not.
+                "updateStrategy": { "type": "OnDelete" },
+                "selector": { "matchLabels": labels },
+                "template": {
+                    "metadata": {
+                        "labels": labels,
+                        "annotations": { CONFIG_HASH: config_hash },
+                    },
+                    "spec": {
+                        "containers": [container],
+                        "volumes": volumes,
+                        "terminationGracePeriodSeconds": 30,
+                        "securityContext": { "runAsNonRoot": true, "runAsUser": 999, "runAsGroup": 999, "fsGroup": 999 },
+                    },
+                },
+            },
+    });
+    if !claims.is_empty() {
+        sts["spec"]["volumeClaimTemplates"] = Value::Array(claims);
+    }
+    build("StatefulSet", sts)
+}
+
+/// Applies the StatefulSet of `node`.
+pub async fn apply_node(
+    vc: &ValkeyCluster,
+    ctx: &Context,
+    node: NodeRef,
+    config_hash: &str,
+) -> Result<StatefulSet> {
+    let sts = build_node(vc, node, config_hash)?;
+    apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &sts).await
+}
+
+/// The config hash a StatefulSet's pods are to run with.
+pub fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
+    sts.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(CONFIG_HASH)
+        .map(String::as_str)
+}

@@ -1,0 +1,181 @@
+//! Status from what was observed: conditions a user can act on, the phase, ready counts,
+//! written with server-side apply. A condition keeps its transition time while its status
+//! stays, so that an unchanged cluster writes an unchanged status.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::ResourceExt;
+use serde_json::json;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+
+use crate::context::{Context, FIELD_MANAGER};
+use crate::error::Result;
+use crate::formation::Progress;
+use crate::objects::namespace;
+use crate::pods::Pods;
+
+/// What the reconcile found, for status.
+pub struct Observed<'a> {
+    pub progress: &'a Progress,
+    pub pods: &'a Pods,
+    pub desired_nodes: usize,
+    pub shards: u32,
+    /// Pods still to be replaced for a config change.
+    pub rolling: usize,
+}
+
+/// A condition as computed, before its transition time is settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Computed {
+    pub type_: &'static str,
+    pub status: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// Whether the cluster had formed before (a lost node is then a degradation, not a delay).
+pub fn was_formed(vc: &ValkeyCluster) -> bool {
+    condition(vc, "ClusterFormed").is_some_and(|c| c.status == "True")
+}
+
+pub fn condition<'a>(vc: &'a ValkeyCluster, type_: &str) -> Option<&'a Condition> {
+    vc.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+/// The phase and conditions for `o`.
+pub fn compute(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Computed>) {
+    let formed_before = was_formed(vc);
+    let ready_pods = o.pods.nodes.values().filter(|p| p.ready).count();
+    let all_ready = ready_pods == o.desired_nodes;
+    let c = |type_, status, reason, message: String| Computed {
+        type_,
+        status,
+        reason,
+        message,
+    };
+    match o.progress {
+        Progress::Formed(f) => {
+            let primaries = f.nodes.values().filter(|n| n.primary).count();
+            let summary = format!(
+                "{} shards, {} nodes; all 16384 slots served; {primaries} primaries with their replicas",
+                o.shards,
+                f.nodes.len()
+            );
+            let (phase, progressing) = if o.rolling > 0 {
+                (
+                    "Upgrading",
+                    c(
+                        "Progressing",
+                        true,
+                        "RollingConfig",
+                        format!("{} pods to restart with the new config", o.rolling),
+                    ),
+                )
+            } else {
+                (
+                    "Ready",
+                    c("Progressing", false, "Settled", "nothing to do".into()),
+                )
+            };
+            let ready = if all_ready {
+                c("Ready", true, "ClusterReady", summary.clone())
+            } else {
+                c(
+                    "Ready",
+                    false,
+                    "PodsNotReady",
+                    format!("{ready_pods} of {} pods ready", o.desired_nodes),
+                )
+            };
+            (
+                if all_ready { phase } else { "Degraded" },
+                vec![
+                    ready,
+                    c("ClusterFormed", true, "Formed", summary),
+                    progressing,
+                    c("Degraded", false, "Healthy", "no node is missing".into()),
+                ],
+            )
+        }
+        Progress::Acted(what) | Progress::Waiting(what) => {
+            let acting = matches!(o.progress, Progress::Acted(_));
+            let (phase, reason) = match (formed_before, acting) {
+                (false, _) => ("Forming", "Forming"),
+                (true, true) => ("Degraded", "Healing"),
+                (true, false) => ("Degraded", "Waiting"),
+            };
+            let conditions = vec![
+                c("Ready", false, reason, what.clone()),
+                c(
+                    "ClusterFormed",
+                    formed_before,
+                    if formed_before { "Formed" } else { "Forming" },
+                    what.clone(),
+                ),
+                c("Progressing", true, reason, what.clone()),
+                c("Degraded", formed_before, reason, what.clone()),
+            ];
+            (phase, conditions)
+        }
+    }
+}
+
+/// Writes the status for `o`. Returns the computed conditions (for events).
+pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Result<Vec<Computed>> {
+    let (phase, computed) = compute(vc, o);
+    let now = Time(Timestamp::now());
+    let conditions: Vec<Condition> = computed
+        .iter()
+        .map(|c| {
+            let status = if c.status { "True" } else { "False" };
+            let previous = condition(vc, c.type_).filter(|p| p.status == status);
+            Condition {
+                type_: c.type_.into(),
+                status: status.into(),
+                reason: c.reason.into(),
+                message: c.message.clone(),
+                observed_generation: vc.metadata.generation,
+                last_transition_time: previous
+                    .map(|p| p.last_transition_time.clone())
+                    .unwrap_or_else(|| now.clone()),
+            }
+        })
+        .collect();
+    let ready_nodes = o.pods.nodes.values().filter(|p| p.ready).count();
+    let ready_shards = (0..o.shards)
+        .filter(|s| {
+            let nodes: Vec<_> = o
+                .pods
+                .nodes
+                .iter()
+                .filter(|(n, _)| n.shard.0 == *s)
+                .collect();
+            !nodes.is_empty() && nodes.iter().all(|(_, p)| p.ready)
+        })
+        .count();
+    let status = json!({
+        "apiVersion": "shardgate.io/v1alpha1",
+        "kind": "ValkeyCluster",
+        "status": {
+            "observedGeneration": vc.metadata.generation,
+            "phase": phase,
+            "conditions": conditions,
+            "readyNodes": ready_nodes,
+            "readyShards": ready_shards,
+            "ready": format!("{ready_nodes}/{}", o.desired_nodes),
+        },
+    });
+    let api: Api<ValkeyCluster> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
+    api.patch_status(
+        &vc.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&status),
+    )
+    .await?;
+    Ok(computed)
+}

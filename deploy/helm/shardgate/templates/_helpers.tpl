@@ -1,0 +1,59 @@
+{{/*
+The operator's name, used for every object of the release: "<release>-operator" when the
+release name contains "shardgate" (release "shardgate": shardgate-operator, as in
+deploy/operator/), else "<release>-shardgate-operator"; or fullnameOverride.
+*/}}
+{{- define "shardgate.name" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains "shardgate" .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-shardgate-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "shardgate.selectorLabels" -}}
+app.kubernetes.io/name: shardgate-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "shardgate.labels" -}}
+{{ include "shardgate.selectorLabels" . }}
+app.kubernetes.io/part-of: shardgate
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/*
+The rules of what the operator does to ValkeyClusters and their children (a ClusterRole, or
+a Role in watchNamespace). The same as deploy/operator/rbac.yaml, which explains each.
+*/}}
+{{- define "shardgate.rules" -}}
+- apiGroups: ["shardgate.io"]
+  resources: ["valkeyclusters"]
+  verbs: ["list", "watch"]
+- apiGroups: ["shardgate.io"]
+  resources: ["valkeyclusters/status"]
+  verbs: ["patch"]
+- apiGroups: ["shardgate.io"]
+  resources: ["valkeyclusters/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "delete"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- /* To come with external access (deploy/operator/rbac.yaml lists them): nodes, Gateway
+API tcproutes, and the proxy's deployments, serviceaccounts, roles and rolebindings. */}}
+{{- end -}}
