@@ -4,6 +4,8 @@
 //! cannot renew in time stops reconciling (the process exits, and its Deployment restarts it
 //! as a standby).
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -12,6 +14,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, PostParams};
 use kube::Client;
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 /// One contender for a lease.
@@ -146,5 +149,62 @@ impl LeaderElection {
                     .await;
             }
         }
+    }
+}
+
+/// How a leader's run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// `shutdown` resolved (before or after leading).
+    Shutdown,
+    /// The lease was lost while leading.
+    LostLease,
+}
+
+/// Waits for the lease, then runs the controller while holding it, until `shutdown` or the
+/// lease is lost. On shutdown the lease is given up for a standby to take at once.
+pub async fn run_as_leader(
+    election: Arc<LeaderElection>,
+    ctx: Arc<crate::Context>,
+    scope: crate::Scope,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Ended {
+    let stop = CancellationToken::new();
+    let on_shutdown = stop.clone();
+    // Tied to this future: if it is dropped (the process dies), so is the watcher.
+    let _watcher = AbortOnDrop(tokio::spawn(async move {
+        shutdown.await;
+        on_shutdown.cancel();
+    }));
+    tokio::select! {
+        _ = election.acquire() => {}
+        _ = stop.cancelled() => return Ended::Shutdown,
+    }
+    ctx.metrics.leader.set(1);
+    // The controller and the renewals run in this one task, so that nothing renews the
+    // lease once the controller is gone.
+    let run = crate::run(ctx.clone(), scope, stop.clone().cancelled_owned());
+    tokio::pin!(run);
+    let ended = tokio::select! {
+        _ = &mut run => Ended::Shutdown,
+        _ = election.hold() => {
+            stop.cancel();
+            run.await;
+            Ended::LostLease
+        }
+    };
+    ctx.metrics.leader.set(0);
+    if ended == Ended::Shutdown {
+        election.release().await;
+    }
+    ended
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use prometheus_client::registry::Registry;
-use shardgate_controller::leader::LeaderElection;
+use shardgate_controller::leader::{run_as_leader, Ended, LeaderElection};
 use shardgate_controller::metrics::Metrics;
 use shardgate_controller::{run, Context, Scope};
 
@@ -157,32 +157,8 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
         &id,
         args.lease_duration,
     ));
-    tokio::select! {
-        _ = election.acquire() => {}
-        _ = terminated() => return Ok(true),
-    }
-    metrics.leader.set(1);
-    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<()>();
-    let holder = election.clone();
-    tokio::spawn(async move {
-        holder.hold().await;
-        let _ = lost_tx.send(());
-    });
-    let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let lost_flag = lost.clone();
-    let shutdown = async move {
-        tokio::select! {
-            _ = terminated() => {}
-            _ = lost_rx => lost_flag.store(true, std::sync::atomic::Ordering::SeqCst),
-        }
-    };
-    run(ctx, scope, shutdown).await;
-    metrics.leader.set(0);
-    if lost.load(std::sync::atomic::Ordering::SeqCst) {
-        return Ok(false);
-    }
-    election.release().await;
-    Ok(true)
+    let ended = run_as_leader(election, ctx, scope, terminated()).await;
+    Ok(ended == Ended::Shutdown)
 }
 
 fn main() -> ExitCode {

@@ -4,7 +4,7 @@
 //! [`ValkeyClusterSpec::validate_update`]) for objects that never passed an API server (the
 //! operator's fixtures, a CRD applied without its rules). The port range has one Rust
 //! implementation, [`PortLayout::new`], and one CEL implementation, [`port_range_rule`].
-//! The crate's tests (`tests/cel.rs`) run the CEL rules in a CEL interpreter against the
+//! The crate's tests (`tests/crd.rs`) run the CEL rules in a CEL interpreter against the
 //! Rust checks, and the kube harness's `crd_validation` test against a real API server.
 //!
 //! | rule | where |
@@ -330,6 +330,11 @@ impl ValkeyClusterSpec {
             if g.gateway_ref.name.is_empty() {
                 return Err(SpecError::Empty {
                     field: "externalAccess.gateway.gatewayRef.name",
+                });
+            }
+            if g.gateway_ref.section_name.as_deref() == Some("") {
+                return Err(SpecError::Empty {
+                    field: "externalAccess.gateway.gatewayRef.sectionName",
                 });
             }
         }

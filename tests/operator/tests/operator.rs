@@ -52,6 +52,18 @@ fn main() -> ExitCode {
             "deleting_the_cluster_collects_every_child",
             delete_collects_children,
         )
+        .test(
+            "a_pod_at_a_new_ip_and_a_wiped_primary_rejoin_without_help",
+            new_ip_and_wiped_primary_rejoin,
+        )
+        .test(
+            "a_config_change_rolls_pods_one_at_a_time_losing_no_acknowledged_write",
+            config_change_rolls,
+        )
+        .test(
+            "only_the_leader_reconciles_and_a_standby_takes_over",
+            leader_election,
+        )
         .run()
 }
 
@@ -146,10 +158,11 @@ async fn ready_serves_and_idles(env: TestEnv) -> Result<()> {
         status.phase.map(|p| p.to_string()).as_deref() == Some("Ready"),
         "{status:?}"
     );
-    for t in ["ClusterFormed"] {
-        let c = condition(&vc, t);
-        ensure!(c.as_ref().is_some_and(|c| c.0 == "True"), "{t}: {c:?}");
-    }
+    let formed = condition(&vc, "ClusterFormed");
+    ensure!(
+        formed.as_ref().is_some_and(|c| c.0 == "True"),
+        "ClusterFormed: {formed:?}"
+    );
 
     // What Valkey says: 16384 slots over 3 primaries, each replica on its shard's primary.
     let addrs = pod_addrs(&client, &ns, "vc").await?;
@@ -309,5 +322,285 @@ async fn delete_collects_children(env: TestEnv) -> Result<()> {
     )
     .await?;
     operator.stop().await;
+    Ok(())
+}
+
+/// Which node the pod `name` (a StatefulSet's pod `<cluster>-<s>-<n>-0`) is, and its id now.
+async fn id_of(addr: std::net::SocketAddr) -> Result<String> {
+    let mut c = Admin::connect(addr, Timeouts::default()).await?;
+    Ok(c.cluster_myid().await?)
+}
+
+async fn new_ip_and_wiped_primary_rejoin(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let operator = Operator::start(&client, &ns);
+    create(&client, &ns, &cluster("vc", 3, 1)?).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    let addrs = pod_addrs(&client, &ns, "vc").await?;
+    let before = views(&addrs).await?;
+
+    // A replica comes back at a new IP, with its data: same id, announced at the new address.
+    let (&moved, moved_line) = before
+        .iter()
+        .find(|(n, l)| n.shard.0 == 1 && !l.is_primary())
+        .context("a replica of shard 1")?;
+    let moved_pod = format!("{}-0", objects::node("vc", moved));
+    cp.agent()
+        .fault(&ns, &moved_pod, Fault::RestartWithNewIp)
+        .await?;
+    let new_addr = eventually("a new pod IP", Duration::from_secs(60), || async {
+        let a = pod_addrs(&client, &ns, "vc").await?;
+        ensure!(a[&moved] != addrs[&moved], "still {}", a[&moved]);
+        Ok(a[&moved])
+    })
+    .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    ensure!(
+        id_of(new_addr).await? == moved_line.id,
+        "the moved node changed its id"
+    );
+    let seen_by_others = eventually("every node sees the new address", FORM, || async {
+        for (n, a) in pod_addrs(&client, &ns, "vc").await? {
+            let mut c = Admin::connect(a, Timeouts::default()).await?;
+            let lines = c.cluster_nodes().await?;
+            let l = lines
+                .iter()
+                .find(|l| l.id == moved_line.id)
+                .context("moved node unknown")?;
+            ensure!(
+                l.ip == new_addr.ip().to_string() && l.connected,
+                "node {n} sees it at {} ({:?})",
+                l.ip,
+                l.flags
+            );
+        }
+        Ok(())
+    })
+    .await;
+    seen_by_others?;
+
+    // A primary loses its data: its replica takes over, and the empty node comes back with
+    // a new id as the new primary's replica; its old id is forgotten everywhere.
+    let (&wiped, wiped_line) = before
+        .iter()
+        .find(|(n, l)| n.shard.0 == 2 && l.is_primary())
+        .context("shard 2's primary")?;
+    let wiped_pod = format!("{}-0", objects::node("vc", wiped));
+    cp.agent().fault(&ns, &wiped_pod, Fault::WipeData).await?;
+    let started = Instant::now();
+    eventually(
+        "a new id on the wiped node",
+        Duration::from_secs(60),
+        || async {
+            let a = pod_addrs(&client, &ns, "vc").await?;
+            ensure!(id_of(a[&wiped]).await? != wiped_line.id);
+            Ok(())
+        },
+    )
+    .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    eprintln!(
+        "wiped primary back as a replica after {:?}",
+        started.elapsed()
+    );
+    let addrs = pod_addrs(&client, &ns, "vc").await?;
+    let after = views(&addrs).await?;
+    let partner = NodeRef::new(wiped.shard.0, 1 - wiped.node.0);
+    ensure!(after[&partner].is_primary(), "{:?}", after[&partner]);
+    ensure!(
+        after[&wiped].primary_id.as_deref() == Some(after[&partner].id.as_str()),
+        "{:?}",
+        after[&wiped]
+    );
+    for (n, a) in &addrs {
+        let mut c = Admin::connect(*a, Timeouts::default()).await?;
+        let lines = c.cluster_nodes().await?;
+        ensure!(
+            lines.iter().all(|l| l.id != wiped_line.id),
+            "node {n} still knows the wiped node's old id"
+        );
+        ensure!(lines.len() == 6, "node {n} knows {} nodes", lines.len());
+    }
+    operator.stop().await;
+    Ok(())
+}
+
+async fn config_change_rolls(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    create(&client, &ns, &cluster("vc", 2, 1)?).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    let addrs = pod_addrs(&client, &ns, "vc").await?;
+    let hashes = |pods: &[Pod]| -> BTreeMap<String, String> {
+        pods.iter()
+            .map(|p| {
+                let h = p.annotations().get("shardgate.io/config-hash").cloned();
+                (p.name_any(), h.unwrap_or_default())
+            })
+            .collect()
+    };
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let sel = ListParams::default().labels(&format!("{}=vc", labels::INSTANCE));
+    let old = hashes(&pod_api.list(&sel).await?.items);
+
+    // A writer that keeps every acknowledged key and counts its errors.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        let mut conn = cluster_client(addrs.values().copied()).await?;
+        tokio::spawn(async move {
+            let (mut acked, mut errors) = (Vec::new(), 0u32);
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let key = format!("roll:{i}");
+                match conn.set::<_, _, ()>(&key, i).await {
+                    Ok(()) => acked.push(key),
+                    Err(_) => errors += 1,
+                }
+                i += 1;
+            }
+            (acked, errors)
+        })
+    };
+
+    Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
+        .patch(
+            "vc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "config": { "maxmemory-policy": "allkeys-lru" } } })),
+        )
+        .await?;
+    // One pod at a time: never two of the cluster's pods down together.
+    let most_down = std::sync::atomic::AtomicUsize::new(0);
+    eventually(
+        "every pod on the new config",
+        Duration::from_secs(400),
+        || async {
+            let pods = pod_api.list(&sel).await?.items;
+            let down = pods
+                .iter()
+                .filter(|p| {
+                    let ready = p
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|c| {
+                            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        });
+                    !ready || p.metadata.deletion_timestamp.is_some()
+                })
+                .count()
+                + 4usize.saturating_sub(pods.len());
+            most_down.fetch_max(down, std::sync::atomic::Ordering::Relaxed);
+            let now = hashes(&pods);
+            ensure!(
+                now.len() == 4 && now.values().all(|h| !old.values().any(|o| o == h)),
+                "hashes {now:?}"
+            );
+            Ok(())
+        },
+    )
+    .await?;
+    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
+    let most_down = most_down.into_inner();
+    ensure!(most_down <= 1, "{most_down} pods were down at once");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (acked, errors) = writer.await?;
+    ensure!(
+        acked.len() > 100,
+        "only {} writes acknowledged",
+        acked.len()
+    );
+    // Failovers are graceful: a client may see a few errors while a slot moves, not many.
+    ensure!(
+        errors <= acked.len() as u32 / 10 + 20,
+        "{errors} failed writes for {} acknowledged",
+        acked.len()
+    );
+    let mut conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
+    for key in &acked {
+        let v: Option<String> = conn.get(key).await?;
+        ensure!(v.is_some(), "acknowledged {key} lost in the roll");
+    }
+    eprintln!(
+        "rolled 4 pods: {} writes acknowledged, {errors} failed, none lost",
+        acked.len()
+    );
+    ensure!(condition(&vc, "Ready").is_some_and(|c| c.0 == "True"));
+    operator.stop().await;
+    Ok(())
+}
+
+async fn leader_election(env: TestEnv) -> Result<()> {
+    use shardgate_controller::leader::{run_as_leader, LeaderElection};
+    let TestEnv { client, ns, .. } = env;
+    let lease = Duration::from_secs(3);
+    let start = |id: &str| {
+        let metrics = std::sync::Arc::new(
+            shardgate_controller::metrics::Metrics::default()
+                .register(&mut prometheus_client::registry::Registry::default()),
+        );
+        let ctx = std::sync::Arc::new(shardgate_controller::Context::new(
+            client.clone(),
+            metrics.clone(),
+            Some(id.into()),
+        ));
+        let election = std::sync::Arc::new(LeaderElection::new(
+            client.clone(),
+            &ns,
+            "shardgate-operator",
+            id,
+            lease,
+        ));
+        let scope = shardgate_controller::Scope {
+            namespace: Some(ns.clone()),
+        };
+        let task = tokio::spawn(run_as_leader(election, ctx, scope, std::future::pending()));
+        (metrics, task)
+    };
+    let (first, first_task) = start("first");
+    eventually(
+        "the first replica leads",
+        Duration::from_secs(30),
+        || async {
+            ensure!(first.leader.get() == 1);
+            Ok(())
+        },
+    )
+    .await?;
+    let (second, second_task) = start("second");
+    create(&client, &ns, &cluster("vc", 1, 0)?).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    ensure!(first.reconciles.get() > 0, "the leader did not reconcile");
+    ensure!(
+        second.reconciles.get() == 0 && second.leader.get() == 0,
+        "the standby reconciled"
+    );
+    // The leader dies without giving the lease up; the standby takes over once it expires.
+    first_task.abort();
+    let killed = Instant::now();
+    eventually("the standby leads", Duration::from_secs(60), || async {
+        ensure!(second.leader.get() == 1);
+        Ok(())
+    })
+    .await?;
+    // It reconciles: a change is acted on.
+    Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
+        .patch(
+            "vc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "config": { "maxmemory-policy": "allkeys-lru" } } })),
+        )
+        .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    ensure!(
+        second.reconciles.get() > 0,
+        "the new leader did not reconcile"
+    );
+    eprintln!(
+        "standby took over {:?} after the leader died",
+        killed.elapsed()
+    );
+    second_task.abort();
     Ok(())
 }
