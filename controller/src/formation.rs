@@ -234,6 +234,20 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         .map(|l| l.id.clone())
         .collect();
     for id in &gone {
+        // A lost primary that still holds slots is forgotten only after its replica took
+        // them over: the other primaries must remember it to vote for that failover.
+        let holds_slots = seen
+            .iter()
+            .flat_map(|s| s.view.iter())
+            .any(|l| &l.id == id && l.is_primary() && !l.slots.is_empty());
+        if holds_slots {
+            let waiting =
+                format!("waiting for a replica to take over the slots of lost node {id:.8}");
+            if acted.is_empty() {
+                return Ok(Progress::Waiting(waiting));
+            }
+            continue;
+        }
         let mut sent = false;
         for s in seen.iter_mut() {
             if !s.view.iter().any(|l| &l.id == id) {
@@ -269,6 +283,43 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
                 )));
             }
             primaries.insert(s.node.shard.0, i);
+        }
+    }
+    // A new shard (every node an empty primary: a scale-out) leads with its node 0. A shard
+    // with a replica of someone else is not new: it waits for that node or a failover,
+    // rather than have a node with data replicate an empty one.
+    for shard in 0..plan.shards {
+        if primaries.contains_key(&shard) {
+            continue;
+        }
+        let members: Vec<usize> = (0..seen.len())
+            .filter(|&i| seen[i].node.shard.0 == shard)
+            .collect();
+        let ids: Vec<&str> = members.iter().map(|&i| seen[i].id.as_str()).collect();
+        // New: nobody serves slots, and every node is an empty primary or a replica of one
+        // of the shard's own nodes.
+        let fresh = !members.is_empty()
+            && members.iter().all(|&i| {
+                seen[i].me().is_some_and(|m| {
+                    m.slots.is_empty()
+                        && (m.is_primary()
+                            || m.primary_id.as_deref().is_some_and(|p| ids.contains(&p)))
+                })
+            });
+        if fresh {
+            let lead = members
+                .iter()
+                .find(|&&i| {
+                    seen[i].me().is_some_and(|m| m.is_primary()) && seen[i].node.node.0 == 0
+                })
+                .or_else(|| {
+                    members
+                        .iter()
+                        .find(|&&i| seen[i].me().is_some_and(|m| m.is_primary()))
+                });
+            if let Some(&lead) = lead {
+                primaries.insert(shard, lead);
+            }
         }
     }
 
@@ -377,6 +428,71 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         return Ok(Progress::Acted(acted.join("; ")));
     }
 
+    // 6b. Slots live with their shard: after a scale-out, each primary hands the slots
+    // outside its even share to their new shard with Valkey 9's atomic slot migration
+    // (`CLUSTER MIGRATESLOTS`: keys move with the slots, writes keep being served, no
+    // acknowledged write is lost).
+    let mut moves: BTreeMap<usize, BTreeMap<usize, Vec<(u16, u16)>>> = BTreeMap::new();
+    for (&shard, &p) in &primaries {
+        let Some(me) = line(&seen[p].id) else {
+            continue;
+        };
+        for &(a, b) in &me.slots {
+            let mut slot = u32::from(a);
+            while slot <= u32::from(b) {
+                let home = home_shard(slot as u16, plan.shards);
+                let (_, home_hi) = initial_slots(home, plan.shards);
+                let end = u32::from(b).min(u32::from(home_hi));
+                if home != shard {
+                    let Some(&dst) = primaries.get(&home) else {
+                        return Ok(Progress::Waiting(format!(
+                            "shard {home} has no primary to take its slots yet"
+                        )));
+                    };
+                    moves
+                        .entry(p)
+                        .or_default()
+                        .entry(dst)
+                        .or_default()
+                        .push((slot as u16, end as u16));
+                }
+                slot = end + 1;
+            }
+        }
+    }
+    for (src, targets) in &moves {
+        if let Some(state) = migrating(&mut seen[*src]).await? {
+            return Ok(Progress::Waiting(format!(
+                "node {} is migrating slots ({state})",
+                seen[*src].node
+            )));
+        }
+        let mut args = vec!["CLUSTER".to_string(), "MIGRATESLOTS".to_string()];
+        let mut count = 0u32;
+        let mut to = Vec::new();
+        for (dst, ranges) in targets {
+            args.push("SLOTSRANGE".into());
+            for (a, b) in ranges {
+                args.push(a.to_string());
+                args.push(b.to_string());
+                count += u32::from(*b) - u32::from(*a) + 1;
+            }
+            args.push("NODE".into());
+            args.push(seen[*dst].id.clone());
+            to.push(seen[*dst].node.shard.to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        seen[*src].run(&args).await?;
+        acted.push(format!(
+            "migrating {count} slots from shard {} to shard {}",
+            seen[*src].node.shard,
+            to.join(", ")
+        ));
+    }
+    if !acted.is_empty() {
+        return Ok(Progress::Acted(acted.join("; ")));
+    }
+
     // 7. Formed when every node says so.
     for s in seen.iter_mut() {
         let info = match s.client.cluster_info().await {
@@ -435,6 +551,37 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             })
             .collect(),
     }))
+}
+
+/// The state of a slot migration still running on `node` (`CLUSTER GETSLOTMIGRATIONS`),
+/// if any.
+async fn migrating(node: &mut Seen) -> Result<Option<String>, FormationError> {
+    use shardgate_admin_client::Reply;
+    let reply = node
+        .client
+        .command(["CLUSTER", "GETSLOTMIGRATIONS"])
+        .await
+        .map_err(|source| FormationError::Node {
+            node: node.node,
+            addr: node.addr,
+            source,
+        })?;
+    let Reply::Array(jobs) = reply else {
+        return Ok(None);
+    };
+    for job in jobs {
+        let Reply::Array(fields) = job else { continue };
+        for kv in fields.chunks(2) {
+            if let [Reply::BulkString(k), Reply::BulkString(v)] = kv {
+                let state = String::from_utf8_lossy(v);
+                let done = ["success", "failed", "cancelled", "canceled"];
+                if &k[..] == b"state" && !done.contains(&state.as_ref()) {
+                    return Ok(Some(state.into_owned()));
+                }
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// How long to wait before the next step, after `progress`.

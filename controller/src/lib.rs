@@ -8,6 +8,7 @@
 //! - [`formation`]: forming and healing the cluster over RESP (MEET, FORGET, ADDSLOTSRANGE,
 //!   REPLICATE), one step per reconcile.
 //! - [`rolling`]: config changes, one pod at a time, replicas first, failover first.
+//! - [`scale`]: removing the nodes a smaller `replicas` no longer has (failover first).
 //! - [`status`]: conditions, phase and counts, written with server-side apply.
 //! - [`leader`]: leader election on a Lease.
 //! - [`context`], [`error`], [`metrics`], [`objects`] (labels, owner references, apply),
@@ -26,6 +27,7 @@ pub mod pdb;
 pub mod pods;
 pub mod reconcile;
 pub mod rolling;
+pub mod scale;
 pub mod service;
 pub mod statefulset;
 pub mod status;

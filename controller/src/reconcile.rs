@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::formation::{self, Plan, Progress};
 use crate::metrics::{ActionLabels, ErrorLabels};
 use crate::status::Observed;
-use crate::{configmap, pdb, pods, rolling, service, statefulset, status};
+use crate::{configmap, pdb, pods, rolling, scale, service, statefulset, status};
 
 /// Reconciles one cluster. Errors are published as Warning events and retried by
 /// [`error_policy`].
@@ -77,7 +77,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }
     pdb::apply_budget(vc, ctx).await?;
 
-    let pods = pods::observe(vc, ctx).await?;
+    let mut pods = pods::observe(vc, ctx).await?;
     for pod in &pods.unlabelled {
         let note = format!(
             "pod {pod} has the cluster's labels but not both {} and {}; it is left out",
@@ -86,6 +86,18 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         );
         publish(ctx, vc, EventType::Warning, "MissingIndexLabel", &note).await;
     }
+    // Nodes the spec no longer has leave first, one at a time.
+    if let Some(what) = scale::remove_extra_nodes(vc, ctx, &pods).await? {
+        ctx.metrics
+            .actions
+            .get_or_create(&ActionLabels { action: "scale_in" })
+            .inc();
+        info!(cluster = %name, "{what}");
+        publish(ctx, vc, EventType::Normal, "ScaleIn", &what).await;
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+    // From here on, only the nodes the spec has.
+    pods.nodes.retain(|n, _| nodes.contains(n));
     let plan = Plan {
         shards: vc.spec.shards as u32,
         replicas: vc.spec.replicas as u32,

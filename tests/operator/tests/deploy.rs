@@ -39,7 +39,7 @@ use kube::Client;
 use prometheus_client::registry::Registry;
 use serde::Deserialize as _;
 use serde_json::{json, Value};
-use shardgate_controller::leader::LeaderElection;
+use shardgate_controller::leader::{run_as_leader, Ended, LeaderElection};
 use shardgate_controller::metrics::Metrics;
 use shardgate_controller::{Context, Scope};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
@@ -1090,35 +1090,39 @@ async fn operator_runs_under_its_rbac(env: TestEnv) -> Result<()> {
     )
     .await?;
 
+    // As the binary runs with --leader-election (controller/src/main.rs): wait for the
+    // Lease, run the controller while renewing it, give it back on shutdown. A short lease
+    // so that it is renewed (updated) several times during the test.
     let identity = format!("{OPERATOR}-{}", env.ns);
-    let election = LeaderElection::new(
+    let election = Arc::new(LeaderElection::new(
         sa.clone(),
         SYSTEM_NS,
         OPERATOR,
         &identity,
-        Duration::from_secs(15),
-    );
-    tokio::time::timeout(Duration::from_secs(60), election.acquire())
-        .await
-        .context("the operator did not take the Lease within 60s")?;
-    let leases: Api<Lease> = Api::namespaced(env.client.clone(), SYSTEM_NS);
-    let holder = |lease: Lease| lease.spec.and_then(|s| s.holder_identity);
-    ensure!(
-        holder(leases.get(OPERATOR).await?).as_deref() == Some(identity.as_str()),
-        "the Lease is not held by {identity}"
-    );
-
+        Duration::from_secs(3),
+    ));
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::default().register(&mut registry));
     let ctx = Arc::new(Context::new(sa.clone(), metrics, Some(identity.clone())));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(shardgate_controller::run(
-        ctx,
-        Scope::default(),
-        async move {
-            let _ = stopped.await;
+    let operator = tokio::spawn(run_as_leader(election, ctx, Scope::default(), async move {
+        let _ = stopped.await;
+    }));
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), SYSTEM_NS);
+    let holder = |lease: Lease| lease.spec.and_then(|s| s.holder_identity);
+    eventually(
+        "the operator holds the Lease",
+        Duration::from_secs(60),
+        || async {
+            let held = holder(leases.get(OPERATOR).await?);
+            ensure!(
+                held.as_deref() == Some(identity.as_str()),
+                "held by {held:?}"
+            );
+            Ok(())
         },
-    ));
+    )
+    .await?;
 
     let name = "under-rbac";
     let vc = valkey_cluster(json!({
@@ -1155,8 +1159,9 @@ async fn operator_runs_under_its_rbac(env: TestEnv) -> Result<()> {
     }
     .await;
 
+    let stopped_early = operator.is_finished();
     let _ = stop.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(30), operator).await;
+    let ended = tokio::time::timeout(Duration::from_secs(30), operator).await;
     if let Err(e) = result {
         // A call the RBAC denies shows as the operator's warnings (ReconcileFailed ...).
         let warnings = Api::<Event>::namespaced(env.client.clone(), &env.ns)
@@ -1176,12 +1181,32 @@ async fn operator_runs_under_its_rbac(env: TestEnv) -> Result<()> {
                     .collect::<Vec<_>>()
             })
             .unwrap_or_default();
-        return Err(e.context(format!("the operator's warnings: {warnings:#?}")));
+        let early = match (stopped_early, &ended) {
+            (true, Ok(Ok(how))) => format!("the operator had stopped by itself ({how:?}); "),
+            _ => String::new(),
+        };
+        return Err(e.context(format!("{early}the operator's warnings: {warnings:#?}")));
     }
-    election.release().await;
+    // Shutdown, not a lost lease: every renewal went through.
+    let ended = ended
+        .context("the operator did not stop within 30s")?
+        .context("the operator's task")?;
+    ensure!(
+        ended == Ended::Shutdown,
+        "the operator ended with {ended:?}"
+    );
+    let transitions = leases
+        .get(OPERATOR)
+        .await?
+        .spec
+        .and_then(|s| s.lease_transitions);
     ensure!(
         holder(leases.get(OPERATOR).await?).is_none(),
-        "the Lease was not given back (update under resourceNames)"
+        "the Lease was not given back on shutdown"
+    );
+    ensure!(
+        transitions == Some(0),
+        "the Lease changed hands {transitions:?} times: a renewal failed"
     );
     Ok(())
 }
@@ -1194,10 +1219,14 @@ async fn operator_runs_under_its_rbac(env: TestEnv) -> Result<()> {
 struct Stage {
     base: String,
     name: Option<String>,
-    instructions: Vec<(String, String)>,
+    instructions: Vec<Instruction>,
 }
 
-fn parse_dockerfile(text: &str) -> Result<(Vec<(String, String)>, Vec<Stage>)> {
+/// An instruction (upper case) and its arguments.
+type Instruction = (String, String);
+
+/// The instructions before the first FROM, and the stages.
+fn parse_dockerfile(text: &str) -> Result<(Vec<Instruction>, Vec<Stage>)> {
     let mut lines = Vec::new();
     let mut current = String::new();
     for line in text.lines() {

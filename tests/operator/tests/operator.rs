@@ -64,6 +64,14 @@ fn main() -> ExitCode {
             "only_the_leader_reconciles_and_a_standby_takes_over",
             leader_election,
         )
+        .test(
+            "shards_3_to_4_and_replicas_up_and_down_under_writes_lose_nothing",
+            scaling,
+        )
+        .test(
+            "an_idle_cluster_costs_few_reconciles_and_no_writes_over_a_minute",
+            idle_minute,
+        )
         .run()
 }
 
@@ -602,5 +610,163 @@ async fn leader_election(env: TestEnv) -> Result<()> {
         killed.elapsed()
     );
     second_task.abort();
+    Ok(())
+}
+
+/// A writer that keeps every acknowledged key and counts its errors, until `stop`.
+fn writer(
+    mut conn: redis::cluster_async::ClusterConnection,
+    prefix: &'static str,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<(Vec<String>, u32)> {
+    tokio::spawn(async move {
+        let (mut acked, mut errors) = (Vec::new(), 0u32);
+        let mut i = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let key = format!("{prefix}:{i}");
+            match conn.set::<_, _, ()>(&key, i).await {
+                Ok(()) => acked.push(key),
+                Err(_) => errors += 1,
+            }
+            i += 1;
+        }
+        (acked, errors)
+    })
+}
+
+async fn set_spec(client: &Client, ns: &str, spec: serde_json::Value) -> Result<()> {
+    Api::<ValkeyCluster>::namespaced(client.clone(), ns)
+        .patch(
+            "vc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": spec })),
+        )
+        .await?;
+    Ok(())
+}
+
+async fn scaling(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    create(&client, &ns, &cluster("vc", 3, 1)?).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
+    let writes = writer(conn, "scale", stop.clone());
+
+    // Shards 3 -> 4: the slots are shared out again, 4096 each, as valkey-cli would.
+    let started = Instant::now();
+    set_spec(&client, &ns, json!({ "shards": 4 })).await?;
+    eventually("4 shards of 4096 slots", FORM, || async {
+        let addrs = pod_addrs(&client, &ns, "vc").await?;
+        ensure!(addrs.len() == 8, "{} pods", addrs.len());
+        let v = views(&addrs).await?;
+        let mut counts: Vec<u32> = v
+            .values()
+            .filter(|l| l.is_primary())
+            .map(|l| l.slot_count())
+            .collect();
+        counts.sort();
+        ensure!(
+            counts == [4096, 4096, 4096, 4096],
+            "slots per primary {counts:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    eprintln!("shards 3 -> 4 rebalanced in {:?}", started.elapsed());
+
+    // Replicas 1 -> 2 -> 1.
+    set_spec(&client, &ns, json!({ "replicas": 2 })).await?;
+    eventually("12 nodes", FORM, || async {
+        ensure!(pod_addrs(&client, &ns, "vc").await?.len() == 12);
+        Ok(())
+    })
+    .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    set_spec(&client, &ns, json!({ "replicas": 1 })).await?;
+    eventually(
+        "back to 8 nodes that know only each other",
+        FORM,
+        || async {
+            let addrs = pod_addrs(&client, &ns, "vc").await?;
+            ensure!(addrs.len() == 8, "{} pods", addrs.len());
+            for a in addrs.values() {
+                let mut c = Admin::connect(*a, Timeouts::default()).await?;
+                let n = c.cluster_nodes().await?.len();
+                ensure!(n == 8, "{a} knows {n} nodes");
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
+    let sts = Api::<StatefulSet>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels(&format!("{}=vc", labels::INSTANCE)))
+        .await?;
+    ensure!(sts.items.len() == 8, "{} StatefulSets", sts.items.len());
+    ensure!(vc.status.as_ref().is_some_and(|s| s.ready_nodes == 8));
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (acked, errors) = writes.await?;
+    ensure!(
+        acked.len() > 100,
+        "only {} writes acknowledged",
+        acked.len()
+    );
+    ensure!(
+        errors <= acked.len() as u32 / 10 + 20,
+        "{errors} failed writes for {} acknowledged",
+        acked.len()
+    );
+    let mut conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
+    for key in &acked {
+        let v: Option<String> = conn.get(key).await?;
+        ensure!(v.is_some(), "acknowledged {key} lost while scaling");
+    }
+    eprintln!(
+        "scaling: {} writes acknowledged, {errors} failed, none lost",
+        acked.len()
+    );
+    operator.stop().await;
+    Ok(())
+}
+
+async fn idle_minute(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    create(&client, &ns, &cluster("vc", 1, 1)?).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    // Settled: the status the last reconcile wrote is the one a new one writes.
+    let vcs: Api<ValkeyCluster> = Api::namespaced(client.clone(), &ns);
+    let runs = operator.finished_reconciles();
+    eventually(
+        "a reconcile after Ready",
+        Duration::from_secs(60),
+        || async {
+            ensure!(operator.finished_reconciles() > runs);
+            Ok(())
+        },
+    )
+    .await?;
+    let children = child_versions(&client, &ns, "vc").await?;
+    let version = vcs.get("vc").await?.resource_version();
+    let runs = operator.finished_reconciles();
+    // The minute itself is what is measured, not a state waited for.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let idle_runs = operator.finished_reconciles() - runs;
+    eprintln!("idle minute: {idle_runs} reconciles");
+    // One requeue every 30 s, and nothing else to react to: a hot loop would show hundreds.
+    ensure!(idle_runs <= 4, "{idle_runs} reconciles in an idle minute");
+    ensure!(
+        child_versions(&client, &ns, "vc").await? == children,
+        "children rewritten"
+    );
+    ensure!(
+        vcs.get("vc").await?.resource_version() == version,
+        "the ValkeyCluster (status) was rewritten"
+    );
+    operator.stop().await;
     Ok(())
 }
