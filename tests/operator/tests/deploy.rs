@@ -642,6 +642,7 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
         access("watch", "statefulsets.apps", watch_ns),
         access("create", "statefulsets.apps", Some(ns)),
         access("patch", "statefulsets.apps", Some(ns)),
+        access("delete", "statefulsets.apps", Some(ns)),
         access("list", "services", watch_ns),
         access("watch", "services", watch_ns),
         access("create", "services", Some(ns)),
@@ -701,10 +702,10 @@ fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
         access("update", "valkeyclusters.shardgate.io", Some(ns)),
         access("patch", "valkeyclusters.shardgate.io", Some(ns)),
         access("delete", "valkeyclusters.shardgate.io", Some(ns)),
-        // Children are applied, and collected by the garbage collector, not deleted.
+        // Children are applied, and collected by the garbage collector, not deleted (but for
+        // the StatefulSet of a node that scale-in removes).
         access("get", "statefulsets.apps", Some(ns)),
         access("update", "statefulsets.apps", Some(ns)),
-        access("delete", "statefulsets.apps", Some(ns)),
         access("delete", "services", Some(ns)),
         access("delete", "configmaps", Some(ns)),
         access("delete", "poddisruptionbudgets.policy", Some(ns)),

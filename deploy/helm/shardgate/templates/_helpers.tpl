@@ -41,7 +41,7 @@ a Role in watchNamespace). The same as deploy/operator/rbac.yaml, which explains
   verbs: ["update"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["list", "watch", "create", "patch"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["list", "watch", "create", "patch"]
