@@ -26,14 +26,22 @@ pub fn cli(args: &[&str]) -> Result<String> {
 /// A cluster connection that knows only `127.0.0.1:<entry>`; patient enough to ride out a
 /// failover (retries, short timeouts).
 pub async fn cluster_client(entry: u16) -> Result<ClusterConnection> {
-    redis::cluster::ClusterClientBuilder::new(vec![format!("redis://127.0.0.1:{entry}")])
+    cluster_client_at([std::net::SocketAddr::from(([127, 0, 0, 1], entry))]).await
+}
+
+/// A cluster connection that starts from `seeds`; as patient as [`cluster_client`].
+pub async fn cluster_client_at(
+    seeds: impl IntoIterator<Item = std::net::SocketAddr>,
+) -> Result<ClusterConnection> {
+    let urls: Vec<String> = seeds.into_iter().map(|a| format!("redis://{a}")).collect();
+    redis::cluster::ClusterClientBuilder::new(urls.clone())
         .retries(30)
         .connection_timeout(Duration::from_secs(2))
         .response_timeout(Duration::from_secs(2))
         .build()?
         .get_async_connection()
         .await
-        .with_context(|| format!("cluster client via 127.0.0.1:{entry}"))
+        .with_context(|| format!("cluster client via {urls:?}"))
 }
 
 /// `n` keys in `n` slots spread evenly over all 16384, named `{tag}<suffix>:<i>`.

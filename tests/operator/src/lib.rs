@@ -21,6 +21,28 @@ use shardgate_crds::NodeRef;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// A test suite whose control plane has the ValkeyCluster CRD (`deploy/crds/`) installed;
+/// `None` (with the reason printed) when the CRD files cannot be read.
+pub fn suite_with_crds() -> Option<shardgate_kube_harness::Suite> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds");
+    match shardgate_kube_harness::yaml_files_in(&dir) {
+        Ok(files) if !files.is_empty() => Some(shardgate_kube_harness::Suite::new().options(
+            shardgate_kube_harness::Options {
+                yaml_files: files,
+                ..Default::default()
+            },
+        )),
+        Ok(_) => {
+            eprintln!("{}: no CRD YAML", dir.display());
+            None
+        }
+        Err(e) => {
+            eprintln!("{}: {e:#}", dir.display());
+            None
+        }
+    }
+}
+
 /// The operator, running in this process on the test's namespace.
 pub struct Operator {
     pub metrics: Arc<Metrics>,
@@ -178,16 +200,4 @@ pub async fn pod_addrs(
 
 /// A cluster client that starts from `seeds` (pod addresses), patient enough for a
 /// failover.
-pub async fn cluster_client(
-    seeds: impl IntoIterator<Item = SocketAddr>,
-) -> Result<redis::cluster_async::ClusterConnection> {
-    let urls: Vec<String> = seeds.into_iter().map(|a| format!("redis://{a}")).collect();
-    redis::cluster::ClusterClientBuilder::new(urls)
-        .retries(30)
-        .connection_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2))
-        .build()?
-        .get_async_connection()
-        .await
-        .context("cluster client at the pod addresses")
-}
+pub use shardgate_harness::clients::cluster_client_at as cluster_client;

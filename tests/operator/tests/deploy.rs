@@ -44,26 +44,14 @@ use shardgate_controller::metrics::Metrics;
 use shardgate_controller::{Context, Scope};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_harness::tools;
-use shardgate_kube_harness::{yaml_files_in, ControlPlane, Options, Suite, TestEnv};
+use shardgate_kube_harness::{yaml_files_in, ControlPlane, TestEnv};
 use shardgate_operator_e2e::{create, eventually, valkey_cluster, wait_ready};
 
 fn main() -> ExitCode {
-    let crds = match yaml_files_in(&repo("deploy/crds")) {
-        Ok(f) if !f.is_empty() => f,
-        Ok(_) => {
-            eprintln!("deploy/crds: no CRD YAML");
-            return ExitCode::FAILURE;
-        }
-        Err(e) => {
-            eprintln!("deploy/crds: {e:#}");
-            return ExitCode::FAILURE;
-        }
+    let Some(suite) = shardgate_operator_e2e::suite_with_crds() else {
+        return ExitCode::FAILURE;
     };
-    Suite::new()
-        .options(Options {
-            yaml_files: crds,
-            ..Options::default()
-        })
+    suite
         .timeout(Duration::from_secs(300))
         .test(
             "the_plain_manifests_and_the_sample_pass_a_server_side_dry_run",

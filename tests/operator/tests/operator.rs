@@ -19,26 +19,16 @@ use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 use shardgate_harness::clients::spread_keys;
-use shardgate_kube_harness::{yaml_files_in, Fault, Options, Suite, TestEnv};
+use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::{
     cluster_client, condition, create, eventually, pod_addrs, valkey_cluster, wait_ready, Operator,
 };
 
 fn main() -> ExitCode {
-    let crds = match yaml_files_in(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds"),
-    ) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("deploy/crds: {e:#}");
-            return ExitCode::FAILURE;
-        }
+    let Some(suite) = shardgate_operator_e2e::suite_with_crds() else {
+        return ExitCode::FAILURE;
     };
-    Suite::new()
-        .options(Options {
-            yaml_files: crds,
-            ..Options::default()
-        })
+    suite
         .timeout(Duration::from_secs(600))
         .test(
             "a_3x1_cluster_becomes_ready_serves_every_slot_and_idles_without_writes",
@@ -114,43 +104,31 @@ async fn views(
 async fn child_versions(client: &Client, ns: &str, name: &str) -> Result<BTreeMap<String, String>> {
     let sel = ListParams::default().labels(&format!("{}={name}", labels::INSTANCE));
     let mut out = BTreeMap::new();
-    for s in Api::<StatefulSet>::namespaced(client.clone(), ns)
-        .list(&sel)
-        .await?
-    {
-        out.insert(
-            format!("statefulset/{}", s.name_any()),
-            s.resource_version().unwrap_or_default(),
-        );
-    }
-    for s in Api::<Service>::namespaced(client.clone(), ns)
-        .list(&sel)
-        .await?
-    {
-        out.insert(
-            format!("service/{}", s.name_any()),
-            s.resource_version().unwrap_or_default(),
-        );
-    }
-    for s in Api::<ConfigMap>::namespaced(client.clone(), ns)
-        .list(&sel)
-        .await?
-    {
-        out.insert(
-            format!("configmap/{}", s.name_any()),
-            s.resource_version().unwrap_or_default(),
-        );
-    }
-    for s in Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
-        .list(&sel)
-        .await?
-    {
-        out.insert(
-            format!("pdb/{}", s.name_any()),
-            s.resource_version().unwrap_or_default(),
-        );
-    }
+    versions::<StatefulSet>(client, ns, &sel, &mut out).await?;
+    versions::<Service>(client, ns, &sel, &mut out).await?;
+    versions::<ConfigMap>(client, ns, &sel, &mut out).await?;
+    versions::<PodDisruptionBudget>(client, ns, &sel, &mut out).await?;
     Ok(out)
+}
+
+/// Adds `kind/name → resourceVersion` of the `K`s `sel` selects.
+async fn versions<K>(
+    client: &Client,
+    ns: &str,
+    sel: &ListParams,
+    out: &mut BTreeMap<String, String>,
+) -> Result<()>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    for o in Api::<K>::namespaced(client.clone(), ns).list(sel).await? {
+        let key = format!("{}/{}", K::kind(&()), o.name_any());
+        out.insert(key, o.resource_version().unwrap_or_default());
+    }
+    Ok(())
 }
 
 async fn ready_serves_and_idles(env: TestEnv) -> Result<()> {
