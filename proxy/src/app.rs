@@ -150,6 +150,7 @@ impl Proxy {
                 let routes = file::load(&path, config.rewrite)?;
                 publisher.publish("file", routes)?;
                 let source = FileSource::new(path, poll, config.rewrite);
+                metrics.routes.source_started(source.name());
                 tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
             }
             SourceConfig::Seed {
@@ -167,6 +168,7 @@ impl Proxy {
                     resolver.clone(),
                     config.rewrite,
                 );
+                metrics.routes.source_started(source.name());
                 tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
             }
         }

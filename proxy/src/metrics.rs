@@ -59,6 +59,12 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
+    /// Shows `source`'s error count from the start (0), so that a scrape tells "no errors"
+    /// from "no such source".
+    pub fn source_started(&self, source: &'static str) {
+        let _ = self.source_errors.get_or_create(&SourceLabels { source });
+    }
+
     pub fn source_error(&self, source: &'static str) {
         self.source_errors
             .get_or_create(&SourceLabels { source })

@@ -32,6 +32,37 @@ fn myid_through(port: u16) -> String {
     String::from_utf8_lossy(&buf[5..45]).into_owned()
 }
 
+/// The seed source's errors so far, from `/metrics` (the metric must be there).
+fn source_errors(proxy: &ProxyHandle) -> f64 {
+    let admin = proxy.admin_addr().expect("the test proxy serves /metrics");
+    let (_, body) = shardgate_harness::http::get(admin, "/metrics").unwrap();
+    assert!(
+        body.contains("# TYPE shardgate_proxy_route_source_errors counter"),
+        "no route_source_errors metric:\n{body}"
+    );
+    shardgate_harness::http::metric(
+        &body,
+        "shardgate_proxy_route_source_errors_total{source=\"seed\"}",
+    )
+    .unwrap_or(0.0)
+}
+
+/// Waits until the seed source has reported more than `n` errors.
+async fn wait_source_errors(proxy: &ProxyHandle, n: f64) -> f64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = block_in_place(|| source_errors(proxy));
+        if now > n {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the seed source reported no error past {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn wait_table(proxy: &ProxyHandle, what: &str, ok: impl Fn(&RouteTable) -> bool) {
     let mut rx = proxy.routes();
     tokio::time::timeout(Duration::from_secs(20), rx.wait_for(|t| ok(t)))
@@ -58,7 +89,7 @@ async fn seed_discovery_gives_every_node_a_stable_port_and_follows_the_cluster()
         refresh: Duration::from_millis(200),
     });
     config.listen_ip = LO.into();
-    config.admin_addr = None;
+    config.admin_addr = Some((LO, 0).into());
     config.connect_timeout = Duration::from_millis(500);
     let proxy = Proxy::start(config).await.unwrap();
     assert!(proxy.wait_ready(Duration::from_secs(10)).await);
@@ -77,10 +108,20 @@ async fn seed_discovery_gives_every_node_a_stable_port_and_follows_the_cluster()
         assert_eq!(block_in_place(|| myid_through(port)), node.node_id);
     }
 
-    // A failover swaps roles, not ports.
+    // A failover swaps roles, not ports: once discovery has seen the new primary (the
+    // role flag moved), every node is still on its port.
+    let primary = |t: &RouteTable, n: NodeRef| t.route(layout.port(n).unwrap()).unwrap().primary;
+    assert!(primary(&table, NodeRef::new(0, 0)) && !primary(&table, NodeRef::new(0, 1)));
     block_in_place(|| cluster.failover(NodeRef::new(0, 1))).unwrap();
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    wait_table(&proxy, "the new primary", |t| {
+        primary(t, NodeRef::new(0, 1)) && !primary(t, NodeRef::new(0, 0))
+    })
+    .await;
     let after = proxy.routes().borrow().clone();
+    assert!(
+        after.version > table.version,
+        "the role change made no new table"
+    );
     let placement = |t: &RouteTable| -> Vec<(u16, NodeRef, Option<SocketAddr>, Option<String>)> {
         t.routes
             .iter()
@@ -92,17 +133,6 @@ async fn seed_discovery_gives_every_node_a_stable_port_and_follows_the_cluster()
         placement(&table),
         "a failover renumbered the ports"
     );
-    // The live role moved: the TLS port's shard name follows it.
-    let primary = |t: &RouteTable, n: NodeRef| t.route(layout.port(n).unwrap()).unwrap().primary;
-    assert!(primary(&table, NodeRef::new(0, 0)) && !primary(&table, NodeRef::new(0, 1)));
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !primary(&proxy.routes().borrow(), NodeRef::new(0, 1)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the new primary was never seen"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 
     // A node rescheduled at a new address keeps its port; the route follows.
     let moved = NodeRef::new(1, 1);
@@ -132,10 +162,13 @@ async fn seed_discovery_gives_every_node_a_stable_port_and_follows_the_cluster()
 
     // No node answers any more: the last good table stays, and so does readiness.
     let last = proxy.routes().borrow().clone();
+    let errors = block_in_place(|| source_errors(&proxy));
     for node in cluster.nodes() {
         cluster.kill(node.pos);
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Two failed discoveries after the kills: the source has observably tried and failed.
+    let seen = wait_source_errors(&proxy, errors).await;
+    wait_source_errors(&proxy, seen).await;
     let now = proxy.routes().borrow().clone();
     assert_eq!((now.version, &now.routes), (last.version, &last.routes));
     assert!(proxy.is_ready());
@@ -157,9 +190,10 @@ async fn nodes_that_announce_the_proxy_are_refused_instead_of_looping() {
         refresh: Duration::from_millis(100),
     });
     config.listen_ip = LO.into();
-    config.admin_addr = None;
+    config.admin_addr = Some((LO, 0).into());
     let proxy = Proxy::start(config).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The refusal is counted as the source's error; by then the table would be in force.
+    wait_source_errors(&proxy, 0.0).await;
     assert!(
         !proxy.is_ready(),
         "a table that routes the proxy to itself was accepted"
