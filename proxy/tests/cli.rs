@@ -246,6 +246,19 @@ fn sigterm_drains_open_connections_then_exits_cleanly() {
 
     proxy.signal("TERM").unwrap();
     proxy.wait_log("draining", Duration::from_secs(5)).unwrap();
+    // The log line comes before the listeners close; /metrics says when they have.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while get(admin, "/metrics")
+        .ok()
+        .and_then(|(_, m)| metric(&m, "shardgate_proxy_listeners"))
+        != Some(0.0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the listener never closed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(
         get(admin, "/readyz").unwrap().0,
         503,

@@ -59,6 +59,8 @@ impl Listeners {
                     Ok(listener) => {
                         let stop = shutdown.child_token();
                         bound.insert(port, stop.clone());
+                        // Down again when the accept loop has dropped the socket.
+                        self.metrics.routes.listeners.inc();
                         tracing::info!(port, backend = ?table.route(port).map(|r| r.backend.to_string()), "listening");
                         tokio::spawn(self.clone().accept_loop(listener, port, stop));
                     }
@@ -69,7 +71,6 @@ impl Listeners {
                     }
                 }
             }
-            self.metrics.routes.listeners.set(bound.len() as i64);
             self.ready
                 .store(table.is_loaded() && missing == 0, Ordering::Release);
             tokio::select! {
@@ -82,7 +83,6 @@ impl Listeners {
         for stop in bound.values() {
             stop.cancel();
         }
-        self.metrics.routes.listeners.set(0);
     }
 
     async fn accept_loop(
@@ -102,6 +102,10 @@ impl Listeners {
                 drop(permit);
             });
         }
+        // The port refuses connections from here on; the gauge says so (a drain can be
+        // watched closing its ports on /metrics).
+        drop(listener);
+        self.metrics.routes.listeners.dec();
     }
 
     /// The TLS port's accept loop: the same connection limit and drain as the node ports;

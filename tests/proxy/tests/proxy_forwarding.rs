@@ -151,9 +151,19 @@ async fn drain_stops_accepting_and_lets_open_connections_finish() {
     .await;
     let mut open = connect(base);
     ping(&mut open).unwrap();
+    let admin = p.admin_addr().unwrap();
     let started = Instant::now();
     let drain = tokio::spawn(p.shutdown());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The admin server outlives the drain: wait until it reports the port closed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while block_in_place(|| get(admin, "/metrics"))
+        .ok()
+        .and_then(|(_, m)| metric(&m, "shardgate_proxy_listeners"))
+        != Some(0.0)
+    {
+        assert!(Instant::now() < deadline, "the listener never closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     block_in_place(|| {
         assert!(
             TcpStream::connect((LO, base)).is_err(),
