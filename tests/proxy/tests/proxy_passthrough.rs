@@ -195,6 +195,7 @@ async fn traffic(
     mut conn: redis::cluster_async::ClusterConnection,
     stop: Arc<AtomicBool>,
     errors: Arc<AtomicU64>,
+    oks: Arc<AtomicU64>,
 ) -> BTreeMap<String, String> {
     let keys = spread_keys(300, "");
     let mut acked = BTreeMap::new();
@@ -206,6 +207,7 @@ async fn traffic(
             match conn.set::<_, _, ()>(k, &v).await {
                 Ok(()) => {
                     acked.insert(k.clone(), v);
+                    oks.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(_) => {
                     errors.fetch_add(1, Ordering::Relaxed);
@@ -215,6 +217,19 @@ async fn traffic(
         }
     }
     acked
+}
+
+/// Waits until the writer has had `n` writes acknowledged in all.
+async fn wait_for_writes(oks: &AtomicU64, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while oks.load(Ordering::Relaxed) < n {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {n} writes acknowledged",
+            oks.load(Ordering::Relaxed)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Waits until `n` consecutive round trips through the client succeed.
@@ -251,18 +266,36 @@ async fn a_node_restarted_during_traffic_the_client_recovers_without_restarting_
     let conn = cluster_client(f.port(NodeRef::new(0, 0))).await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let errors = Arc::new(AtomicU64::new(0));
-    let load = tokio::spawn(traffic(conn.clone(), stop.clone(), errors.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let oks = Arc::new(AtomicU64::new(0));
+    let load = tokio::spawn(traffic(
+        conn.clone(),
+        stop.clone(),
+        errors.clone(),
+        oks.clone(),
+    ));
+    // A whole round of writes before any fault.
+    wait_for_writes(&oks, 300).await;
 
-    // Same address: shard 1's primary dies; its replica takes over, then it comes back.
+    // Same address: shard 1's primary dies; its replica takes over (waited for: the test
+    // proves the proxy carries the client through a failover, not a race with it), then
+    // the old primary comes back and rejoins as a replica.
     let victim = NodeRef::new(1, 0);
     f.cluster.kill(victim);
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let cluster = f.cluster.clone();
-    tokio::task::spawn_blocking(move || cluster.restart(victim, Restart::SameAddress))
-        .await
-        .unwrap()
-        .unwrap();
+    tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cluster.primary_of(1).ok() != Some(NodeRef::new(1, 1)) {
+            assert!(Instant::now() < deadline, "shard 1 never failed over");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster.restart(victim, Restart::SameAddress).unwrap();
+        while cluster.node(victim).role().ok().as_deref() != Some("slave") {
+            assert!(Instant::now() < deadline, "the old primary never rejoined");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .await
+    .unwrap();
     let mut probe = conn.clone();
     recovers(&mut probe, Duration::from_secs(30)).await;
 
@@ -296,7 +329,9 @@ async fn a_node_restarted_during_traffic_the_client_recovers_without_restarting_
         Some(new_ip)
     );
     recovers(&mut probe, Duration::from_secs(30)).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another whole round after both faults.
+    let done = oks.load(Ordering::Relaxed);
+    wait_for_writes(&oks, done + 300).await;
 
     stop.store(true, Ordering::Relaxed);
     let acked = load.await.unwrap();
@@ -314,9 +349,15 @@ async fn a_node_restarted_during_traffic_the_client_recovers_without_restarting_
         }
     }
     assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
-    eprintln!(
-        "errors seen by the client during the faults: {}",
-        errors.load(Ordering::Relaxed)
+    // Errors come only while a shard has no reachable primary (a failover of a 1 s node
+    // timeout, a restart); each pauses the writer 20 ms, so a few seconds of faults make a
+    // few hundred at most. A proxy that kept failing would make thousands.
+    let errors = errors.load(Ordering::Relaxed);
+    let written = oks.load(Ordering::Relaxed);
+    eprintln!("writes during the faults: {written} acknowledged, {errors} failed");
+    assert!(
+        errors <= 500,
+        "{errors} failed writes ({written} acknowledged)"
     );
     f.proxy.shutdown().await;
 }
