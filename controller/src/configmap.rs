@@ -33,6 +33,9 @@ const OWNED: &[&str] = &[
     "cluster-announce-hostname",
     "cluster-announce-client-port",
     "cluster-announce-client-tls-port",
+    "cluster-announce-client-ipv4",
+    "cluster-announce-client-ipv6",
+    "cluster-preferred-endpoint-type",
 ];
 
 /// What every node runs with, before the user's `spec.config`.
@@ -64,6 +67,13 @@ pub fn render(vc: &ValkeyCluster) -> Result<String> {
             )));
         }
         settings.insert(k, value.clone());
+    }
+    // Announce mode: what Valkey hands out, in the config (so that a change rolls the pods).
+    if let Some(ea) = crate::external::announce_mode(vc) {
+        settings.insert(
+            "cluster-preferred-endpoint-type".into(),
+            ea.preferred_endpoint_type.as_str().into(),
+        );
     }
     let mut text = format!("port {CLIENT_PORT}\n");
     for (k, v) in &settings {

@@ -54,7 +54,28 @@ pub struct Plan {
     pub replicas: u32,
     /// Every desired node with its pod's address, if it has one and is ready.
     pub nodes: BTreeMap<NodeRef, Option<SocketAddr>>,
+    /// What a node announces to clients instead of its pod's address, if anything (announce
+    /// mode: `cluster-announce-client-ipv4` and `-client-port`). CLUSTER NODES shows that
+    /// address, so that is where the others must know it.
+    pub announced: BTreeMap<NodeRef, Announced>,
     pub timeouts: Timeouts,
+}
+
+/// A node's announced client address, each part optional (the pod's own otherwise).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Announced {
+    pub ip: Option<IpAddr>,
+    pub port: Option<u16>,
+}
+
+impl Announced {
+    /// The address CLUSTER NODES shows for a node whose pod is at `addr`.
+    pub fn shown(&self, addr: SocketAddr) -> SocketAddr {
+        SocketAddr::new(
+            self.ip.unwrap_or(addr.ip()),
+            self.port.unwrap_or(addr.port()),
+        )
+    }
 }
 
 /// What a step did, or why it did nothing.
@@ -115,6 +136,8 @@ impl FormationError {
 struct Seen {
     node: NodeRef,
     addr: SocketAddr,
+    /// Where CLUSTER NODES shows it: `addr`, or the address it announces to clients.
+    shown: SocketAddr,
     client: Client,
     id: String,
     view: Vec<NodeLine>,
@@ -130,8 +153,8 @@ impl Seen {
         self.view.iter().any(|l| {
             l.id == other.id
                 && !l.is_joining()
-                && l.ip.parse::<IpAddr>().ok() == Some(other.addr.ip())
-                && l.port == other.addr.port()
+                && l.ip.parse::<IpAddr>().ok() == Some(other.shown.ip())
+                && l.port == other.shown.port()
         })
     }
 
@@ -169,9 +192,11 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
                 "node {node} at {addr}: CLUSTER NODES has no myself line"
             )));
         };
+        let shown = plan.announced.get(&node).map_or(addr, |a| a.shown(addr));
         seen.push(Seen {
             node,
             addr,
+            shown,
             client,
             id,
             view,

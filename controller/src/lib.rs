@@ -4,6 +4,8 @@
 //! - Children, one file per kind, each applied with server-side apply under one field
 //!   manager: [`configmap`] (`valkey.conf` and its hash), [`service`] (the headless
 //!   Service), [`statefulset`] (one per node), [`pdb`].
+//! - [`external`]: external access in announce mode: the per-shard (or per-node) Services,
+//!   the announce flags, `status.externalEndpoints` and `status.bootstrap`.
 //! - [`pods`]: each node's pod (address, readiness, config hash) from the index labels.
 //! - [`formation`]: forming and healing the cluster over RESP (MEET, FORGET, ADDSLOTSRANGE,
 //!   REPLICATE), one step per reconcile.
@@ -18,6 +20,7 @@
 pub mod configmap;
 pub mod context;
 pub mod error;
+pub mod external;
 pub mod formation;
 pub mod http;
 pub mod leader;

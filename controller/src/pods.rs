@@ -14,6 +14,7 @@ use shardgate_crds::NodeRef;
 use crate::configmap::CLIENT_PORT;
 use crate::context::Context;
 use crate::error::Result;
+use crate::formation::Announced;
 use crate::objects::{cluster_selector, namespace};
 use crate::statefulset::CONFIG_HASH;
 
@@ -27,6 +28,11 @@ pub struct NodePod {
     /// The config hash it was started with.
     pub config_hash: Option<String>,
     pub deleting: bool,
+    /// The Kubernetes node it was scheduled to.
+    pub node_name: Option<String>,
+    /// The client address its command line announces (announce mode), which CLUSTER NODES
+    /// shows instead of its own.
+    pub announced: Announced,
 }
 
 /// The pods of a cluster.
@@ -66,6 +72,14 @@ pub async fn observe(vc: &ValkeyCluster, ctx: &Context) -> Result<Pods> {
                 ready,
                 config_hash: pod.annotations().get(CONFIG_HASH).cloned(),
                 deleting: pod.metadata.deletion_timestamp.is_some(),
+                node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+                announced: pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.containers.first())
+                    .and_then(|c| c.command.as_deref())
+                    .map(crate::external::announce::announced)
+                    .unwrap_or_default(),
             },
         );
     }

@@ -1,11 +1,12 @@
 //! The reconciler: one function that makes a `ValkeyCluster`'s children and cluster match
 //! its spec, the error policy, and the controller that runs them.
 //!
-//! A reconcile only orchestrates: the children (one file each), then formation and healing
+//! A reconcile only orchestrates: the children (one file each; the external Services of
+//! announce mode before the StatefulSets, whose nodes announce them), then formation and healing
 //! ([`crate::formation`]), then rolling config changes ([`crate::rolling`]), then status
 //! ([`crate::status`]). Events are published for every change made and every failure.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::formation::{self, Plan, Progress};
 use crate::metrics::{ActionLabels, ErrorLabels};
 use crate::status::Observed;
-use crate::{configmap, pdb, pods, rolling, scale, service, statefulset, status};
+use crate::{configmap, external, pdb, pods, rolling, scale, service, statefulset, status};
 
 /// Reconciles one cluster. Errors are published as Warning events and retried by
 /// [`error_policy`].
@@ -71,9 +72,23 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
 
     let hash = configmap::apply_config(vc, ctx).await?;
     service::apply_headless(vc, ctx).await?;
+    // External Services before the StatefulSets: the nodes announce what the API server
+    // allocated to them (NodePorts).
+    let ea = external::announce_mode(vc);
+    let (exposures, removed) = external::services::apply_services(vc, ctx, ea).await?;
+    for svc in &removed {
+        let note = format!("deleted external Service {svc}: no node of the spec uses it");
+        publish(ctx, vc, EventType::Normal, "ExternalServiceRemoved", &note).await;
+    }
     let nodes: Vec<_> = vc.spec.node_refs().collect();
+    // Each node's pods run with the config's hash and their announce flags' (a change of
+    // either rolls them).
+    let mut hashes = BTreeMap::new();
     for &node in &nodes {
-        statefulset::apply_node(vc, ctx, node, &hash).await?;
+        let args = external::announce::args(vc, ea, node, exposures.get(&node));
+        let node_hash = external::announce::node_hash(&hash, &args);
+        statefulset::apply_node(vc, ctx, node, &node_hash, &args).await?;
+        hashes.insert(node, node_hash);
     }
     pdb::apply_budget(vc, ctx).await?;
 
@@ -98,6 +113,15 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }
     // From here on, only the nodes the spec has.
     pods.nodes.retain(|n, _| nodes.contains(n));
+    // Client IPs known only now that the pods run (their Kubernetes nodes' addresses).
+    let node_hosts = match ea {
+        Some(ea) => external::endpoints::node_hosts(ctx, ea, &exposures, &pods).await?,
+        None => BTreeMap::new(),
+    };
+    for what in external::announce::set_runtime_ips(&pods, &node_hosts, ctx.timeouts).await {
+        info!(cluster = %name, "{what}");
+        publish(ctx, vc, EventType::Normal, "AnnounceAddress", &what).await;
+    }
     let plan = Plan {
         shards: vc.spec.shards as u32,
         replicas: vc.spec.replicas as u32,
@@ -110,6 +134,18 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
                     .filter(|p| p.ready && !p.deleting)
                     .and_then(|p| p.addr);
                 (*n, addr)
+            })
+            .collect(),
+        // Where the others see each node: what its running pod announces.
+        announced: pods
+            .nodes
+            .iter()
+            .map(|(n, p)| {
+                let mut a = p.announced;
+                if let Some(ip) = node_hosts.get(n).and_then(|h| h.parse().ok()) {
+                    a.ip = Some(ip);
+                }
+                (*n, a)
             })
             .collect(),
         timeouts: ctx.timeouts,
@@ -130,7 +166,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .filter(|n| {
             pods.nodes
                 .get(n)
-                .is_none_or(|p| p.config_hash.as_deref() != Some(hash.as_str()))
+                .is_none_or(|p| p.config_hash.as_ref() != hashes.get(*n))
         })
         .copied()
         .collect();
@@ -146,7 +182,19 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         }
     }
 
+    let external = match ea {
+        Some(ea) => Some(external::endpoints::observe(
+            vc,
+            ea,
+            &exposures,
+            &node_hosts,
+            &progress,
+        )?),
+        None => None,
+    };
+
     let was_ready = status::condition(vc, "Ready").is_some_and(|c| c.status == "True");
+    let was_external = status::condition(vc, "ExternalAccessReady").map(|c| c.status == "True");
     let conditions = status::patch(
         vc,
         ctx,
@@ -156,6 +204,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             desired_nodes: nodes.len(),
             shards: vc.spec.shards as u32,
             rolling: stale.len(),
+            external: external.as_ref(),
         },
     )
     .await?;
@@ -167,6 +216,17 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
                 (EventType::Warning, "NotReady")
             };
             publish(ctx, vc, kind, reason, &ready.message).await;
+        }
+    }
+    // What to connect to, once every node has an endpoint; what is missing, when one loses it.
+    if let Some(ext) = conditions.iter().find(|c| c.type_ == "ExternalAccessReady") {
+        let event = match (was_external, ext.status) {
+            (Some(false) | None, true) => Some((EventType::Normal, "ExternalAccessReady")),
+            (Some(true), false) => Some((EventType::Warning, "ExternalAccessNotReady")),
+            _ => None,
+        };
+        if let Some((kind, reason)) = event {
+            publish(ctx, vc, kind, reason, &ext.message).await;
         }
     }
     Ok(Action::requeue(formation::next_look(&progress)))

@@ -33,7 +33,8 @@ pub async fn apply_headless(vc: &ValkeyCluster, ctx: &Context) -> Result<()> {
                     labels::INSTANCE: name,
                 },
                 "ports": [
-                    { "name": "client", "port": CLIENT_PORT, "targetPort": "client", "protocol": "TCP" },
+                    // By number: in announce mode the container's client port has a per-node name.
+                    { "name": "client", "port": CLIENT_PORT, "targetPort": CLIENT_PORT, "protocol": "TCP" },
                     { "name": "bus", "port": BUS_PORT, "targetPort": "bus", "protocol": "TCP" },
                 ],
             },

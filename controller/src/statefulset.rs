@@ -23,12 +23,19 @@ pub const CONFIG_HASH: &str = "shardgate.io/config-hash";
 const CONFIG_DIR: &str = "/config";
 const DATA_DIR: &str = "/data";
 
-/// The StatefulSet of `node`, whose pods run with the config of hash `config_hash`.
-pub fn build_node(vc: &ValkeyCluster, node: NodeRef, config_hash: &str) -> Result<StatefulSet> {
+/// The StatefulSet of `node`, whose pods run with the config of hash `config_hash` (see
+/// [`crate::external::announce::node_hash`]) and announce their external endpoint with
+/// `announce` (none without external access in announce mode).
+pub fn build_node(
+    vc: &ValkeyCluster,
+    node: NodeRef,
+    config_hash: &str,
+    announce: &[String],
+) -> Result<StatefulSet> {
     let cluster = vc.name_any();
     let name = objects::node(&cluster, node);
     let labels = node_labels(vc, node);
-    let command = vec![
+    let mut command = vec![
         "valkey-server".to_string(),
         format!("{CONFIG_DIR}/valkey.conf"),
         // On the command line, not in the file: paths in the file would not follow a
@@ -40,13 +47,21 @@ pub fn build_node(vc: &ValkeyCluster, node: NodeRef, config_hash: &str) -> Resul
         "--cluster-announce-human-nodename".into(),
         name.clone(),
     ];
+    command.extend(announce.iter().cloned());
+    // The external Services of announce mode target each node by a name only its container
+    // port has (a port can have one name: server-side apply keys container ports by number).
+    let client_port_name = if crate::external::announce_mode(vc).is_some() {
+        objects::container_port(node)
+    } else {
+        "client".to_string()
+    };
     let mut container = json!({
         "name": "valkey",
         "image": vc.spec.image,
         "command": command,
         "env": [{ "name": "POD_IP", "valueFrom": { "fieldRef": { "fieldPath": "status.podIP" } } }],
         "ports": [
-            { "name": "client", "containerPort": CLIENT_PORT, "protocol": "TCP" },
+            { "name": client_port_name, "containerPort": CLIENT_PORT, "protocol": "TCP" },
             { "name": "bus", "containerPort": BUS_PORT, "protocol": "TCP" },
         ],
         "readinessProbe": {
@@ -131,8 +146,9 @@ pub async fn apply_node(
     ctx: &Context,
     node: NodeRef,
     config_hash: &str,
+    announce: &[String],
 ) -> Result<StatefulSet> {
-    let sts = build_node(vc, node, config_hash)?;
+    let sts = build_node(vc, node, config_hash, announce)?;
     apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &sts).await
 }
 

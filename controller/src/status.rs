@@ -11,6 +11,7 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 use crate::context::{Context, FIELD_MANAGER};
 use crate::error::Result;
+use crate::external::External;
 use crate::formation::Progress;
 use crate::objects::namespace;
 use crate::pods::Pods;
@@ -23,6 +24,8 @@ pub struct Observed<'a> {
     pub shards: u32,
     /// Pods still to be replaced for a config change.
     pub rolling: usize,
+    /// External access in announce mode: its endpoints (`None`: off, and not reported).
+    pub external: Option<&'a External>,
 }
 
 /// A condition as computed, before its transition time is settled.
@@ -49,6 +52,42 @@ pub fn condition<'a>(vc: &'a ValkeyCluster, type_: &str) -> Option<&'a Condition
 
 /// The phase and conditions for `o`.
 pub fn compute(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Computed>) {
+    let (phase, mut conditions) = compute_cluster(vc, o);
+    if let Some(ext) = o.external {
+        conditions.push(external_condition(ext, o.desired_nodes));
+    }
+    (phase, conditions)
+}
+
+/// ExternalAccessReady: true when every node has an external endpoint.
+fn external_condition(ext: &External, desired_nodes: usize) -> Computed {
+    if ext.missing.is_empty() && ext.endpoints.len() == desired_nodes {
+        Computed {
+            type_: "ExternalAccessReady",
+            status: true,
+            reason: "EndpointsReady",
+            message: format!(
+                "{} nodes reachable from outside; bootstrap: {}",
+                ext.endpoints.len(),
+                ext.bootstrap().unwrap_or_default()
+            ),
+        }
+    } else {
+        Computed {
+            type_: "ExternalAccessReady",
+            status: false,
+            reason: "EndpointsPending",
+            message: format!(
+                "{} of {desired_nodes} nodes have an external endpoint; {}",
+                ext.endpoints.len(),
+                ext.missing.join("; ")
+            ),
+        }
+    }
+}
+
+/// The phase and the cluster's own conditions.
+fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Computed>) {
     let formed_before = was_formed(vc);
     let ready_pods = o.pods.nodes.values().filter(|p| p.ready).count();
     let all_ready = ready_pods == o.desired_nodes;
@@ -158,7 +197,7 @@ pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Resul
             !nodes.is_empty() && nodes.iter().all(|(_, p)| p.ready)
         })
         .count();
-    let status = json!({
+    let mut status = json!({
         "apiVersion": "shardgate.io/v1alpha1",
         "kind": "ValkeyCluster",
         "status": {
@@ -170,6 +209,15 @@ pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Resul
             "ready": format!("{ready_nodes}/{}", o.desired_nodes),
         },
     });
+    // Only with external access: unset, the fields are no longer applied and go.
+    if let Some(ext) = o.external {
+        if !ext.endpoints.is_empty() {
+            status["status"]["externalEndpoints"] = json!(ext.endpoints);
+        }
+        if let Some(b) = ext.bootstrap() {
+            status["status"]["bootstrap"] = json!(b);
+        }
+    }
     let api: Api<ValkeyCluster> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
     api.patch_status(
         &vc.name_any(),
@@ -178,4 +226,44 @@ pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Resul
     )
     .await?;
     Ok(computed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardgate_crds::valkey_cluster::{ExternalEndpoint, NodeRole};
+
+    fn endpoint(node: i32, role: NodeRole) -> ExternalEndpoint {
+        ExternalEndpoint {
+            shard: 0,
+            node,
+            service: "vc-shard-0".into(),
+            host: "10.0.0.1".into(),
+            port: 30000 + node,
+            hostname: None,
+            role: Some(role),
+        }
+    }
+
+    #[test]
+    fn external_access_ready_when_every_node_has_an_endpoint() {
+        let mut ext = External {
+            endpoints: vec![endpoint(0, NodeRole::Replica)],
+            missing: vec!["node 0-1: Service vc-shard-0 has no NodePort yet".into()],
+        };
+        let c = external_condition(&ext, 2);
+        assert!(!c.status);
+        assert_eq!(c.reason, "EndpointsPending");
+        assert!(c.message.contains("1 of 2 nodes") && c.message.contains("0-1"));
+        ext.endpoints.push(endpoint(1, NodeRole::Primary));
+        ext.missing.clear();
+        let c = external_condition(&ext, 2);
+        assert!(c.status);
+        assert!(
+            c.message
+                .ends_with("bootstrap: 10.0.0.1:30001,10.0.0.1:30000"),
+            "{}",
+            c.message
+        );
+    }
 }

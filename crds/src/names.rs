@@ -10,6 +10,11 @@ pub mod labels {
     pub const CLUSTER: &str = "shardgate.io/cluster";
     pub const SHARD_INDEX: &str = "shardgate.io/shard-index";
     pub const NODE_INDEX: &str = "shardgate.io/node-index";
+    /// On the objects of one part of a cluster that is not its core (e.g. the external
+    /// Services: `external`), so that they can be listed apart.
+    pub const COMPONENT: &str = "shardgate.io/component";
+    /// [`COMPONENT`] of the Services external access makes.
+    pub const COMPONENT_EXTERNAL: &str = "external";
 }
 
 /// The names of the objects the operator makes for a cluster, and the node names Valkey
@@ -31,6 +36,29 @@ pub mod objects {
     /// The ConfigMap holding `valkey.conf`.
     pub fn config_map(cluster: &str) -> String {
         format!("{cluster}-config")
+    }
+
+    /// The external Service of shard `s` (`serviceLayout: shard`): one port per node.
+    pub fn shard_service(cluster: &str, shard: crate::ports::ShardIndex) -> String {
+        format!("{cluster}-shard-{shard}")
+    }
+
+    /// The external Service of one node (`serviceLayout: node`): `<cluster>-node-<s>-<n>`.
+    pub fn node_service(cluster: &str, node: NodeRef) -> String {
+        format!("{cluster}-node-{node}")
+    }
+
+    /// The name of a node's port in its shard's external Service: `vk-n<n>`.
+    pub fn service_port(node: NodeRef) -> String {
+        format!("vk-n{}", node.node)
+    }
+
+    /// The node-unique name of the client port in a node's container, which the external
+    /// Services target: `vk-<s>-<n>` (an IANA service name: at most 15 characters, which
+    /// holds up to 16384 shards and 999999 nodes a shard; it does not change when
+    /// `replicas` does, unlike a flat index).
+    pub fn container_port(node: NodeRef) -> String {
+        format!("vk-{node}")
     }
 
     /// The PodDisruptionBudget of all the cluster's pods.
@@ -120,6 +148,12 @@ mod tests {
             "vc-2-1.example.com"
         );
         assert_eq!(bootstrap_hostname("vc", "example.com"), "vc.example.com");
+        let id = NodeRef::new(2, 1);
+        assert_eq!(objects::shard_service("vc", ShardIndex(2)), "vc-shard-2");
+        assert_eq!(objects::node_service("vc", id), "vc-node-2-1");
+        assert_eq!(objects::service_port(id), "vk-n1");
+        assert_eq!(objects::container_port(id), "vk-2-1");
+        assert!(objects::container_port(NodeRef::new(16383, 999_999)).len() <= 15);
     }
 
     #[test]

@@ -635,6 +635,7 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
         access("watch", "services", watch_ns),
         access("create", "services", Some(ns)),
         access("patch", "services", Some(ns)),
+        access("delete", "services", Some(ns)),
         access("list", "configmaps", watch_ns),
         access("watch", "configmaps", watch_ns),
         access("create", "configmaps", Some(ns)),
@@ -646,6 +647,8 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
         access("delete", "pods", Some(ns)),
         access("create", "events.events.k8s.io", Some(ns)),
         access("patch", "events.events.k8s.io", Some(ns)),
+        // Nodes: the address of a pod's node, for NodePort endpoints (cluster-scoped).
+        access("get", "nodes", None),
         access("create", "leases.coordination.k8s.io", Some(lease_ns)),
         named("get", "leases.coordination.k8s.io", lease, lease_ns),
         named("update", "leases.coordination.k8s.io", lease, lease_ns),
@@ -684,17 +687,22 @@ fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
             "customresourcedefinitions.apiextensions.k8s.io",
             None,
         ),
+        // Nodes are read one by one, never listed, watched or written.
         access("list", "nodes", None),
+        access("watch", "nodes", None),
+        access("patch", "nodes", None),
+        access("update", "nodes/status", None),
         // The user's spec is the user's: only status is written.
         access("create", "valkeyclusters.shardgate.io", Some(ns)),
         access("update", "valkeyclusters.shardgate.io", Some(ns)),
         access("patch", "valkeyclusters.shardgate.io", Some(ns)),
         access("delete", "valkeyclusters.shardgate.io", Some(ns)),
         // Children are applied, and collected by the garbage collector, not deleted (but for
-        // the StatefulSet of a node that scale-in removes).
+        // the StatefulSet of a node that scale-in removes, and external Services no longer
+        // needed).
         access("get", "statefulsets.apps", Some(ns)),
         access("update", "statefulsets.apps", Some(ns)),
-        access("delete", "services", Some(ns)),
+        access("update", "services", Some(ns)),
         access("delete", "configmaps", Some(ns)),
         access("delete", "poddisruptionbudgets.policy", Some(ns)),
         access("list", "poddisruptionbudgets.policy", Some(ns)),
@@ -931,19 +939,38 @@ async fn chart_renders_the_plain_manifests(_env: TestEnv) -> Result<()> {
         &with_crds,
     )?;
 
-    // watchNamespace: the same rules in a Role there instead of the ClusterRole, and
-    // --namespace.
+    // watchNamespace: the same namespaced rules in a Role there instead of the ClusterRole,
+    // the cluster-scoped one (Nodes) in a ClusterRole of its own, and --namespace.
     let scoped = rendered(&["--set", "watchNamespace=apps"])?;
     let kinds: BTreeSet<(String, String)> = scoped.keys().cloned().collect();
     let role = &scoped[&("Role".to_string(), OPERATOR.to_string())];
+    let nodes_role = format!("{OPERATOR}-nodes");
+    let all_rules = plain[&("ClusterRole".to_string(), OPERATOR.to_string())]["rules"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let (node_rules, ns_rules): (Vec<Value>, Vec<Value>) = all_rules
+        .into_iter()
+        .partition(|r| r["resources"] == json!(["nodes"]));
+    let cluster_kinds: BTreeSet<(String, String)> = kinds
+        .iter()
+        .filter(|(k, _)| k.starts_with("Cluster"))
+        .cloned()
+        .collect();
     ensure!(
-        !kinds.iter().any(|(k, _)| k.starts_with("Cluster"))
+        cluster_kinds
+            == BTreeSet::from([
+                ("ClusterRole".to_string(), nodes_role.clone()),
+                ("ClusterRoleBinding".to_string(), nodes_role.clone()),
+            ])
+            && scoped[&("ClusterRole".to_string(), nodes_role.clone())]["rules"]
+                == Value::Array(node_rules)
             && role["metadata"]["namespace"] == "apps"
-            && role["rules"] == plain[&("ClusterRole".to_string(), OPERATOR.to_string())]["rules"]
+            && role["rules"] == Value::Array(ns_rules)
             && scoped[&("RoleBinding".to_string(), OPERATOR.to_string())]["metadata"]["namespace"]
                 == "apps",
-        "watchNamespace=apps: not a Role and RoleBinding in apps with the ClusterRole's rules: \
-         {kinds:?}"
+        "watchNamespace=apps: not a Role and RoleBinding in apps with the ClusterRole's \
+         namespaced rules and a Nodes ClusterRole: {kinds:?}"
     );
     let args = check_deployment(the(&scoped, "Deployment")?)?;
     ensure!(
@@ -1038,12 +1065,20 @@ async fn scoped_chart_rbac(env: TestEnv) -> Result<()> {
     let rbac: Vec<&Value> = docs
         .iter()
         .filter(|d| {
-            ["ServiceAccount", "Role", "RoleBinding"].contains(&d["kind"].as_str().unwrap_or(""))
+            [
+                "ServiceAccount",
+                "Role",
+                "RoleBinding",
+                "ClusterRole",
+                "ClusterRoleBinding",
+            ]
+            .contains(&d["kind"].as_str().unwrap_or(""))
         })
         .collect();
     ensure!(
-        rbac.len() == 5,
-        "watchNamespace: a ServiceAccount and two Roles with their bindings, not {:?}",
+        rbac.len() == 7,
+        "watchNamespace: a ServiceAccount, two Roles with their bindings and the Nodes' \
+         ClusterRole with its binding, not {:?}",
         rbac.iter().map(|d| kind_name(d)).collect::<Vec<_>>()
     );
     let yaml = stream_of(rbac);

@@ -18,7 +18,7 @@ use shardgate_admin_client::{Client as Admin, Timeouts};
 use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
-use shardgate_harness::clients::spread_keys;
+use shardgate_harness::clients::{cli, spread_keys};
 use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::{
     cluster_client, condition, create, eventually, pod_addrs, valkey_cluster, wait_ready, Operator,
@@ -61,6 +61,22 @@ fn main() -> ExitCode {
         .test(
             "an_idle_cluster_costs_few_reconciles_and_no_writes_over_a_minute",
             idle_minute,
+        )
+        .test(
+            "announce_nodeport_external_clients_know_only_the_bootstrap_addresses",
+            announce_nodeport_serves_external_clients,
+        )
+        .test(
+            "announce_services_merge_annotations_idle_change_type_and_go_when_disabled",
+            announce_service_pitfalls,
+        )
+        .test(
+            "announce_per_node_services_at_the_node_address_and_scale_in_removes_them",
+            announce_per_node_services_at_the_node_address,
+        )
+        .test(
+            "announce_load_balancer_services_announce_their_ingress",
+            announce_load_balancer,
         )
         .run()
 }
@@ -745,6 +761,621 @@ async fn idle_minute(env: TestEnv) -> Result<()> {
         vcs.get("vc").await?.resource_version() == version,
         "the ValkeyCluster (status) was rewritten"
     );
+    operator.stop().await;
+    Ok(())
+}
+
+// --- external access, announce mode ------------------------------------------------------
+
+/// A `shards` x `replicas` cluster (as [`cluster`]) with `externalAccess` set to `external`.
+fn external_cluster(
+    name: &str,
+    shards: u32,
+    replicas: u32,
+    external: serde_json::Value,
+) -> Result<ValkeyCluster> {
+    let mut vc = cluster(name, shards, replicas)?;
+    vc.spec.external_access = Some(serde_json::from_value(external)?);
+    Ok(vc)
+}
+
+/// Waits until `name` is Ready and ExternalAccessReady for its current generation.
+async fn wait_external_ready(client: &Client, ns: &str, name: &str) -> Result<ValkeyCluster> {
+    let api = Api::<ValkeyCluster>::namespaced(client.clone(), ns);
+    eventually(
+        &format!("ValkeyCluster {name} Ready and ExternalAccessReady"),
+        FORM,
+        || async {
+            let vc = api.get(name).await?;
+            let observed = vc.status.as_ref().and_then(|s| s.observed_generation);
+            ensure!(
+                observed == vc.metadata.generation,
+                "observed generation {observed:?} of {:?}",
+                vc.metadata.generation
+            );
+            for c in ["Ready", "ExternalAccessReady"] {
+                let got = condition(&vc, c);
+                ensure!(got.as_ref().is_some_and(|c| c.0 == "True"), "{c}: {got:?}");
+            }
+            // Settled: every pod runs with what it is to announce.
+            let progressing = condition(&vc, "Progressing");
+            ensure!(
+                progressing.as_ref().is_some_and(|c| c.0 == "False"),
+                "Progressing: {progressing:?}"
+            );
+            Ok(vc)
+        },
+    )
+    .await
+}
+
+/// The external Services of `cluster`, by name.
+async fn external_services(
+    client: &Client,
+    ns: &str,
+    cluster: &str,
+) -> Result<BTreeMap<String, Service>> {
+    let sel = format!(
+        "{}={cluster},{}={}",
+        labels::INSTANCE,
+        labels::COMPONENT,
+        labels::COMPONENT_EXTERNAL
+    );
+    let list = Api::<Service>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&sel))
+        .await?;
+    Ok(list.into_iter().map(|s| (s.name_any(), s)).collect())
+}
+
+/// Every `host:port` a CLUSTER SLOTS reply names.
+fn slot_addresses(reply: &redis::Value) -> Result<Vec<String>> {
+    let text = |v: &redis::Value| -> Option<String> {
+        match v {
+            redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        }
+    };
+    let redis::Value::Array(ranges) = reply else {
+        bail!("CLUSTER SLOTS: {reply:?}");
+    };
+    let mut out = Vec::new();
+    for range in ranges {
+        let redis::Value::Array(items) = range else {
+            bail!("a slot range: {range:?}");
+        };
+        for node in items.iter().skip(2) {
+            let redis::Value::Array(fields) = node else {
+                bail!("a node entry: {node:?}");
+            };
+            let host = fields.first().and_then(text).context("no host")?;
+            let port = match fields.get(1) {
+                Some(redis::Value::Int(p)) => *p,
+                other => bail!("port {other:?}"),
+            };
+            out.push(format!("{host}:{port}"));
+        }
+    }
+    Ok(out)
+}
+
+/// A cluster client seeded with `status.bootstrap` only does `keys` SET/GET, and CLUSTER
+/// SLOTS asked through the first bootstrap address names only `status.externalEndpoints`
+/// (no pod address).
+async fn only_external_addresses(
+    client: &Client,
+    ns: &str,
+    status: &shardgate_crds::ValkeyClusterStatus,
+    keys: usize,
+) -> Result<()> {
+    let external_addrs: std::collections::BTreeSet<String> = status
+        .external_endpoints
+        .iter()
+        .map(|e| e.address())
+        .collect();
+    let bootstrap = status.bootstrap.clone().context("no bootstrap")?;
+    let seeds: Vec<std::net::SocketAddr> = bootstrap
+        .split(',')
+        .map(|a| a.parse().with_context(|| format!("bootstrap {bootstrap}")))
+        .collect::<Result<_>>()?;
+    let mut conn = cluster_client(seeds.iter().copied()).await?;
+    let keys = spread_keys(keys, "ext");
+    for k in &keys {
+        let _: () = conn.set(k, k).await?;
+    }
+    for k in &keys {
+        let v: String = conn.get(k).await?;
+        ensure!(&v == k, "{k} read back {v}");
+    }
+    let pods = pod_addrs(client, ns, "vc").await?;
+    let pod_ips: std::collections::BTreeSet<String> =
+        pods.values().map(|a| a.ip().to_string()).collect();
+    let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
+        .get_multiplexed_async_connection()
+        .await?;
+    let slots: redis::Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut direct)
+        .await?;
+    let named = slot_addresses(&slots)?;
+    ensure!(
+        named.len() >= status.external_endpoints.len(),
+        "CLUSTER SLOTS names {named:?}"
+    );
+    for a in &named {
+        ensure!(
+            external_addrs.contains(a),
+            "CLUSTER SLOTS names {a}: not external ({external_addrs:?})"
+        );
+        ensure!(
+            !pod_ips.iter().any(|ip| a.starts_with(&format!("{ip}:"))),
+            "CLUSTER SLOTS names the pod address {a}"
+        );
+    }
+    Ok(())
+}
+
+async fn announce_nodeport_serves_external_clients(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let node_ip = cp.agent().node_ip().to_string();
+    let operator = Operator::start(&client, &ns);
+    let started = Instant::now();
+    let external = json!({ "enabled": true, "mode": "announce", "advertisedHost": node_ip });
+    create(&client, &ns, &external_cluster("vc", 3, 1, external)?).await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    eprintln!(
+        "3x1 cluster with NodePorts Ready in {:?}",
+        started.elapsed()
+    );
+    let status = vc.status.clone().context("status")?;
+
+    // The NodePorts, read from the Services themselves: one Service per shard, a port per node.
+    let services = external_services(&client, &ns, "vc").await?;
+    ensure!(services.len() == 3, "Services {:?}", services.keys());
+    let mut node_ports = BTreeMap::new();
+    for s in 0..3u32 {
+        let name = objects::shard_service("vc", shardgate_crds::ShardIndex(s));
+        let spec = services
+            .get(&name)
+            .and_then(|svc| svc.spec.clone())
+            .with_context(|| format!("Service {name}"))?;
+        ensure!(
+            spec.type_.as_deref() == Some("NodePort"),
+            "{name}: {spec:?}"
+        );
+        for p in spec.ports.iter().flatten() {
+            let n: u32 = p
+                .name
+                .as_deref()
+                .and_then(|n| n.strip_prefix("vk-n"))
+                .context("port name")?
+                .parse()?;
+            let target = NodeRef::new(s, n);
+            ensure!(
+                p.target_port
+                    == Some(
+                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                            objects::container_port(target)
+                        )
+                    ),
+                "{name}: {p:?}"
+            );
+            node_ports.insert((s as i32, n as i32), p.node_port.context("no nodePort")?);
+        }
+    }
+    ensure!(node_ports.len() == 6, "{node_ports:?}");
+    let endpoints = &status.external_endpoints;
+    ensure!(endpoints.len() == 6, "{endpoints:?}");
+    for ep in endpoints {
+        ensure!(ep.host == node_ip, "{ep:?}");
+        ensure!(
+            node_ports.get(&(ep.shard, ep.node)) == Some(&ep.port),
+            "{ep:?} vs the Services' {node_ports:?}"
+        );
+        ensure!(
+            ep.service == objects::shard_service("vc", shardgate_crds::ShardIndex(ep.shard as u32)),
+            "{ep:?}"
+        );
+    }
+    let primaries = endpoints
+        .iter()
+        .filter(|e| e.role == Some(shardgate_crds::valkey_cluster::NodeRole::Primary))
+        .count();
+    ensure!(primaries == 3, "roles: {endpoints:?}");
+    let external_addrs: std::collections::BTreeSet<String> =
+        endpoints.iter().map(|e| e.address()).collect();
+    let bootstrap = status.bootstrap.clone().context("no bootstrap")?;
+    let seeds: Vec<std::net::SocketAddr> = bootstrap
+        .split(',')
+        .map(|a| a.parse().with_context(|| format!("bootstrap {bootstrap}")))
+        .collect::<Result<_>>()?;
+    ensure!(
+        seeds
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+            == external_addrs,
+        "bootstrap {bootstrap} vs endpoints {external_addrs:?}"
+    );
+
+    // An event says what to connect to.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+    eventually(
+        "an ExternalAccessReady event",
+        Duration::from_secs(30),
+        || async {
+            let found = events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("ExternalAccessReady")
+                        && e.note
+                            .as_deref()
+                            .is_some_and(|n| n.contains(&seeds[0].to_string()))
+                });
+            ensure!(found, "no ExternalAccessReady event naming {}", seeds[0]);
+            Ok(())
+        },
+    )
+    .await?;
+
+    // A cluster client that knows only the bootstrap addresses: 10,000 SET/GET; CLUSTER
+    // SLOTS seen through a NodePort names only external addresses.
+    only_external_addresses(&client, &ns, &status, 10_000).await?;
+
+    // redis-cli -c through one NodePort: keys on every shard, followed by MOVED.
+    let (host, port) = (seeds[0].ip().to_string(), seeds[0].port().to_string());
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        for k in spread_keys(6, "cli") {
+            let set = cli(&["-c", "-h", &host, "-p", &port, "SET", &k, "v"])?;
+            ensure!(set == "OK", "SET {k}: {set}");
+            let get = cli(&["-c", "-h", &host, "-p", &port, "GET", &k])?;
+            ensure!(get == "v", "GET {k}: {get}");
+        }
+        Ok(())
+    })
+    .await??;
+    operator.stop().await;
+    Ok(())
+}
+
+/// The upstream review's pitfalls, on the real API server.
+async fn announce_service_pitfalls(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let node_ip = cp.agent().node_ip().to_string();
+    let operator = Operator::start(&client, &ns);
+    let external = json!({
+        "enabled": true,
+        "advertisedHost": node_ip,
+        "externalTrafficPolicy": "Local",
+        "serviceAnnotations": {
+            "example.com/owner": "{cluster}-{shard}",
+            "example.com/dropped": "soon",
+        },
+    });
+    create(&client, &ns, &external_cluster("vc", 1, 1, external)?).await?;
+    wait_external_ready(&client, &ns, "vc").await?;
+    let svc_name = objects::shard_service("vc", shardgate_crds::ShardIndex(0));
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+    let svc = services.get(&svc_name).await?;
+    let spec = svc.spec.clone().context("spec")?;
+    ensure!(
+        spec.external_traffic_policy.as_deref() == Some("Local"),
+        "{spec:?}"
+    );
+    ensure!(
+        spec.ports.as_ref().is_some_and(|p| p.len() == 2),
+        "{spec:?}"
+    );
+
+    // Annotations of another field manager survive; a key removed from the spec goes.
+    services
+        .patch(
+            &svc_name,
+            &PatchParams {
+                field_manager: Some("another-controller".into()),
+                ..Default::default()
+            },
+            &Patch::Merge(json!({ "metadata": { "annotations": { "other.io/keep": "yes" } } })),
+        )
+        .await?;
+    set_spec(
+        &client,
+        &ns,
+        json!({ "externalAccess": { "serviceAnnotations": { "example.com/dropped": null } } }),
+    )
+    .await?;
+    eventually("annotations merged", Duration::from_secs(60), || async {
+        let a = services.get(&svc_name).await?.annotations().clone();
+        ensure!(
+            a.get("example.com/owner").map(String::as_str) == Some("vc-0")
+                && a.get("other.io/keep").map(String::as_str) == Some("yes")
+                && !a.contains_key("example.com/dropped"),
+            "annotations {a:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    wait_external_ready(&client, &ns, "vc").await?;
+
+    // A reconcile with nothing changed leaves every Service (and child) as it is.
+    let before = child_versions(&client, &ns, "vc").await?;
+    let runs = operator.finished_reconciles();
+    Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
+        .patch(
+            "vc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "annotations": { "test/poke": "1" } } })),
+        )
+        .await?;
+    eventually(
+        "a reconcile after the poke",
+        Duration::from_secs(60),
+        || async {
+            ensure!(operator.finished_reconciles() > runs);
+            Ok(())
+        },
+    )
+    .await?;
+    let after = child_versions(&client, &ns, "vc").await?;
+    ensure!(
+        before == after,
+        "children rewritten:\nbefore {before:?}\nafter  {after:?}"
+    );
+
+    // A pod with the cluster's labels but no index labels: a Warning event, no Service port.
+    let stray: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "stray",
+            "labels": {
+                labels::MANAGED_BY: labels::MANAGED_BY_VALUE,
+                labels::INSTANCE: "vc",
+                labels::CLUSTER: "vc",
+            },
+        },
+        "spec": { "containers": [{ "name": "valkey", "image": "valkey/valkey:9.0" }] },
+    }))?;
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    pod_api.create(&Default::default(), &stray).await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+    eventually(
+        "a MissingIndexLabel event",
+        Duration::from_secs(60),
+        || async {
+            let found = events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("MissingIndexLabel")
+                        && e.type_.as_deref() == Some("Warning")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("vc")
+                        && e.note.as_deref().is_some_and(|n| n.contains("stray"))
+                });
+            ensure!(found, "no MissingIndexLabel event");
+            Ok(())
+        },
+    )
+    .await?;
+    let svcs = external_services(&client, &ns, "vc").await?;
+    let ports: usize = svcs
+        .values()
+        .map(|s| {
+            s.spec
+                .as_ref()
+                .and_then(|s| s.ports.as_ref())
+                .map_or(0, Vec::len)
+        })
+        .sum();
+    ensure!(
+        svcs.len() == 1 && ports == 2,
+        "the stray pod got a port: {svcs:?}"
+    );
+    pod_api.delete("stray", &DeleteParams::default()).await?;
+
+    // NodePort -> ClusterIP: accepted in place (the same Service), the NodePorts and the
+    // traffic policy go.
+    let uid = services.get(&svc_name).await?.uid();
+    let started = Instant::now();
+    set_spec(
+        &client,
+        &ns,
+        json!({ "externalAccess": { "serviceType": "ClusterIP" } }),
+    )
+    .await?;
+    eventually("a ClusterIP Service", Duration::from_secs(60), || async {
+        let spec = services.get(&svc_name).await?.spec.context("spec")?;
+        ensure!(
+            spec.type_.as_deref() == Some("ClusterIP")
+                && spec.external_traffic_policy.is_none()
+                && spec.ports.iter().flatten().all(|p| p.node_port.is_none()),
+            "{spec:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    ensure!(
+        services.get(&svc_name).await?.uid() == uid,
+        "the Service was made again, not updated"
+    );
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    let eps = vc.status.map(|s| s.external_endpoints).unwrap_or_default();
+    ensure!(
+        eps.len() == 2
+            && eps
+                .iter()
+                .all(|e| e.host == node_ip && e.port >= 6379 && e.port < 6381),
+        "ClusterIP endpoints {eps:?}"
+    );
+    eprintln!(
+        "NodePort -> ClusterIP, pods rolled: {:?}",
+        started.elapsed()
+    );
+
+    // And back: NodePorts again, with the policy.
+    set_spec(
+        &client,
+        &ns,
+        json!({ "externalAccess": { "serviceType": "NodePort" } }),
+    )
+    .await?;
+    eventually("a NodePort Service", Duration::from_secs(60), || async {
+        let spec = services.get(&svc_name).await?.spec.context("spec")?;
+        ensure!(
+            spec.type_.as_deref() == Some("NodePort")
+                && spec.external_traffic_policy.as_deref() == Some("Local")
+                && spec.ports.iter().flatten().all(|p| p.node_port.is_some()),
+            "{spec:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    let eps = vc.status.map(|s| s.external_endpoints).unwrap_or_default();
+    ensure!(
+        eps.len() == 2 && eps.iter().all(|e| e.port >= 30000),
+        "NodePort endpoints {eps:?}"
+    );
+    // Cross-shard traffic at the new NodePorts.
+    let mut conn = cluster_client(
+        eps.iter()
+            .map(|e| e.address().parse())
+            .collect::<Result<Vec<std::net::SocketAddr>, _>>()?,
+    )
+    .await?;
+    for k in spread_keys(100, "back") {
+        let _: () = conn.set(&k, &k).await?;
+        let v: String = conn.get(&k).await?;
+        ensure!(v == k);
+    }
+
+    // Off: the Services go, and so do the endpoints and the condition.
+    set_spec(
+        &client,
+        &ns,
+        json!({ "externalAccess": { "enabled": false } }),
+    )
+    .await?;
+    eventually("external access removed", FORM, || async {
+        let left = external_services(&client, &ns, "vc").await?;
+        let vc = Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
+            .get("vc")
+            .await?;
+        let status = vc.status.clone().unwrap_or_default();
+        ensure!(
+            left.is_empty()
+                && status.external_endpoints.is_empty()
+                && status.bootstrap.is_none()
+                && condition(&vc, "ExternalAccessReady").is_none(),
+            "left: {:?}, {status:?}",
+            left.keys()
+        );
+        Ok(())
+    })
+    .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    operator.stop().await;
+    Ok(())
+}
+
+/// One Service per node, no advertisedHost: the NodePorts are reached at the Kubernetes node's
+/// InternalIP (read from the Node, announced at run time); scale-in removes the Services of the
+/// nodes that go.
+async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let node_ip = cp.agent().node_ip().to_string();
+    let operator = Operator::start(&client, &ns);
+    let external = json!({
+        "enabled": true,
+        "serviceLayout": "node",
+        "nodeAddressType": "InternalIP",
+        "domain": "valkey.example.test",
+    });
+    create(&client, &ns, &external_cluster("vc", 2, 1, external)?).await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    let status = vc.status.clone().context("status")?;
+    let services = external_services(&client, &ns, "vc").await?;
+    let names: Vec<&String> = services.keys().collect();
+    ensure!(
+        names == ["vc-node-0-0", "vc-node-0-1", "vc-node-1-0", "vc-node-1-1"],
+        "Services {names:?}"
+    );
+    for ep in &status.external_endpoints {
+        let node = NodeRef::new(ep.shard as u32, ep.node as u32);
+        let svc = &services[&objects::node_service("vc", node)];
+        let port = svc
+            .spec
+            .as_ref()
+            .and_then(|s| s.ports.as_ref())
+            .and_then(|p| p.first())
+            .and_then(|p| p.node_port);
+        ensure!(
+            ep.host == node_ip
+                && Some(ep.port) == port
+                && ep.hostname.as_deref()
+                    == Some(format!("vc-{node}.valkey.example.test").as_str()),
+            "{ep:?} vs {svc:?}"
+        );
+    }
+    ensure!(status.external_endpoints.len() == 4, "{status:?}");
+    only_external_addresses(&client, &ns, &status, 1_000).await?;
+
+    // Replicas 1 -> 0: the replicas' Services go.
+    set_spec(&client, &ns, json!({ "replicas": 0 })).await?;
+    eventually("the replicas' Services gone", FORM, || async {
+        let left = external_services(&client, &ns, "vc").await?;
+        let names: Vec<&String> = left.keys().collect();
+        ensure!(
+            names == ["vc-node-0-0", "vc-node-1-0"],
+            "Services {names:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    let status = vc.status.context("status")?;
+    ensure!(status.external_endpoints.len() == 2, "{status:?}");
+    only_external_addresses(&client, &ns, &status, 1_000).await?;
+    operator.stop().await;
+    Ok(())
+}
+
+/// LoadBalancer Services (the harness hands out loopback ingress IPs): each node announces its
+/// shard's ingress IP and its Service port, once the ingress is there.
+async fn announce_load_balancer(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    let started = Instant::now();
+    let external = json!({ "enabled": true, "serviceType": "LoadBalancer" });
+    create(&client, &ns, &external_cluster("vc", 2, 1, external)?).await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    eprintln!(
+        "2x1 cluster behind LoadBalancers settled in {:?}",
+        started.elapsed()
+    );
+    let status = vc.status.context("status")?;
+    let services = external_services(&client, &ns, "vc").await?;
+    for ep in &status.external_endpoints {
+        let svc = &services[&ep.service];
+        let ingress = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .and_then(|i| i.first())
+            .and_then(|i| i.ip.clone());
+        ensure!(
+            Some(&ep.host) == ingress.as_ref() && ep.port == 6379 + ep.node,
+            "{ep:?} vs {svc:?}"
+        );
+    }
+    ensure!(status.external_endpoints.len() == 4, "{status:?}");
+    only_external_addresses(&client, &ns, &status, 1_000).await?;
     operator.stop().await;
     Ok(())
 }

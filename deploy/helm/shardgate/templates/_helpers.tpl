@@ -26,8 +26,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-The rules of what the operator does to ValkeyClusters and their children (a ClusterRole, or
-a Role in watchNamespace). The same as deploy/operator/rbac.yaml, which explains each.
+The namespaced rules of what the operator does to ValkeyClusters and their children (in a
+ClusterRole, or a Role in watchNamespace). The same as deploy/operator/rbac.yaml, which explains each.
 */}}
 {{- define "shardgate.rules" -}}
 - apiGroups: ["shardgate.io"]
@@ -43,7 +43,10 @@ a Role in watchNamespace). The same as deploy/operator/rbac.yaml, which explains
   resources: ["statefulsets"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["services"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
   verbs: ["list", "watch", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
@@ -54,6 +57,16 @@ a Role in watchNamespace). The same as deploy/operator/rbac.yaml, which explains
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
-{{- /* To come with external access (deploy/operator/rbac.yaml lists them): nodes, Gateway
-API tcproutes, and the proxy's deployments, serviceaccounts, roles and rolebindings. */}}
+{{- /* To come with external access (deploy/operator/rbac.yaml lists them): Gateway API
+tcproutes, and the proxy's deployments, serviceaccounts, roles and rolebindings. */}}
+{{- end -}}
+
+{{/*
+The cluster-scoped rules: Nodes (their addresses, for NodePort endpoints). In the ClusterRole
+after the rules above, or in a ClusterRole of their own with watchNamespace.
+*/}}
+{{- define "shardgate.clusterRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get"]
 {{- end -}}

@@ -1,0 +1,215 @@
+//! `status.externalEndpoints` and `status.bootstrap`: where each node is reached from outside,
+//! read back from what the API server allocated, and what is still missing.
+//!
+//! A node's host is the `advertisedHost`; else, on a LoadBalancer Service, its ingress; on a
+//! NodePort Service, the address of the Kubernetes node its pod runs on, of type
+//! `nodeAddressType` (else the first of ExternalDNS, ExternalIP, InternalDNS, InternalIP,
+//! Hostname it has); on a ClusterIP Service, the Service's cluster DNS name.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::Api;
+use kube::ResourceExt;
+use shardgate_crds::external_access::{ExternalAccess, NodeAddressType, ServiceType};
+use shardgate_crds::valkey_cluster::{ExternalEndpoint, NodeRole, ValkeyCluster};
+use shardgate_crds::NodeRef;
+
+use super::Exposures;
+use crate::context::Context;
+use crate::error::Result;
+use crate::formation::Progress;
+use crate::objects::namespace;
+use crate::pods::Pods;
+
+/// What status reports about external access.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct External {
+    /// One per node that has an endpoint, in node order.
+    pub endpoints: Vec<ExternalEndpoint>,
+    /// Why the other nodes have none.
+    pub missing: Vec<String>,
+}
+
+impl External {
+    /// `host:port,host:port,...`: every endpoint, primaries first.
+    pub fn bootstrap(&self) -> Option<String> {
+        if self.endpoints.is_empty() {
+            return None;
+        }
+        let mut eps: Vec<&ExternalEndpoint> = self.endpoints.iter().collect();
+        eps.sort_by_key(|e| e.role != Some(NodeRole::Primary));
+        Some(
+            eps.iter()
+                .map(|e| e.address())
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+    }
+}
+
+/// A Kubernetes node's address of the first type of `preference` it has.
+pub fn node_address(node: &Node, preferred: Option<NodeAddressType>) -> Option<String> {
+    let addresses = node.status.as_ref()?.addresses.as_ref()?;
+    NodeAddressType::preference(preferred)
+        .into_iter()
+        .find_map(|t| {
+            addresses
+                .iter()
+                .find(|a| a.type_ == t.as_str() && !a.address.is_empty())
+                .map(|a| a.address.clone())
+        })
+}
+
+/// The address of the Kubernetes node each pod runs on, for the nodes whose NodePort is
+/// reached there (a NodePort Service and no `advertisedHost`).
+pub async fn node_hosts(
+    ctx: &Context,
+    ea: &ExternalAccess,
+    exposures: &Exposures,
+    pods: &Pods,
+) -> Result<BTreeMap<NodeRef, String>> {
+    let mut out = BTreeMap::new();
+    if ea.advertised_host.is_some() {
+        return Ok(out);
+    }
+    let nodes_api: Api<Node> = Api::all(ctx.client.clone());
+    let mut cache: BTreeMap<String, Option<Node>> = BTreeMap::new();
+    for (node, exposure) in exposures {
+        if exposure.service_type != ServiceType::NodePort {
+            continue;
+        }
+        let Some(name) = pods.nodes.get(node).and_then(|p| p.node_name.clone()) else {
+            continue;
+        };
+        if !cache.contains_key(&name) {
+            let n = nodes_api.get_opt(&name).await?;
+            cache.insert(name.clone(), n);
+        }
+        if let Some(host) = cache[&name]
+            .as_ref()
+            .and_then(|n| node_address(n, ea.node_address_type))
+        {
+            out.insert(*node, host);
+        }
+    }
+    Ok(out)
+}
+
+/// Each node's endpoint, from the Services (`exposures`), the pods' Kubernetes nodes'
+/// addresses (`node_hosts`, from [`node_hosts`]) and the formation's view of the roles.
+pub fn observe(
+    vc: &ValkeyCluster,
+    ea: &ExternalAccess,
+    exposures: &Exposures,
+    node_hosts: &BTreeMap<NodeRef, String>,
+    progress: &Progress,
+) -> Result<External> {
+    let ns = namespace(vc)?;
+    let hostnames = ea.hostnames(&vc.name_any());
+    let mut out = External::default();
+    for node in vc.spec.node_refs() {
+        let Some(exposure) = exposures.get(&node) else {
+            out.missing.push(format!("node {node}: no Service port"));
+            continue;
+        };
+        let Some(port) = exposure.external_port() else {
+            out.missing.push(format!(
+                "node {node}: Service {} has no NodePort yet",
+                exposure.service
+            ));
+            continue;
+        };
+        let host = match (&ea.advertised_host, exposure.service_type) {
+            (Some(h), _) => Some(h.clone()),
+            (None, ServiceType::LoadBalancer) => exposure.ingress.clone(),
+            (None, ServiceType::ClusterIP) => Some(format!("{}.{ns}.svc", exposure.service)),
+            (None, ServiceType::NodePort) => node_hosts.get(&node).cloned(),
+        };
+        let Some(host) = host else {
+            out.missing.push(match exposure.service_type {
+                ServiceType::LoadBalancer => format!(
+                    "node {node}: LoadBalancer Service {} has no ingress yet",
+                    exposure.service
+                ),
+                _ => format!("node {node}: its pod is not on a Kubernetes node with an address"),
+            });
+            continue;
+        };
+        let role = match progress {
+            Progress::Formed(f) => f.nodes.get(&node).map(|s| {
+                if s.primary {
+                    NodeRole::Primary
+                } else {
+                    NodeRole::Replica
+                }
+            }),
+            _ => None,
+        };
+        out.endpoints.push(ExternalEndpoint {
+            shard: node.shard.0 as i32,
+            node: node.node.0 as i32,
+            service: exposure.service.clone(),
+            host,
+            port,
+            hostname: hostnames
+                .as_ref()
+                .map(|h| shardgate_crds::node_hostname(&h.prefix, node, &h.domain)),
+            role,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn node_addresses_by_preference() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": { "name": "n" },
+            "status": { "addresses": [
+                { "type": "InternalIP", "address": "10.0.0.1" },
+                { "type": "Hostname", "address": "n" },
+                { "type": "ExternalIP", "address": "203.0.113.1" },
+            ] }
+        }))
+        .unwrap();
+        assert_eq!(node_address(&node, None).as_deref(), Some("203.0.113.1"));
+        assert_eq!(
+            node_address(&node, Some(NodeAddressType::InternalIp)).as_deref(),
+            Some("10.0.0.1")
+        );
+        assert_eq!(
+            node_address(&node, Some(NodeAddressType::Hostname)).as_deref(),
+            Some("n")
+        );
+    }
+
+    #[test]
+    fn bootstrap_lists_primaries_first() {
+        let ep = |node, port, role| ExternalEndpoint {
+            shard: 0,
+            node,
+            service: "vc-shard-0".into(),
+            host: "127.0.0.9".into(),
+            port,
+            hostname: None,
+            role,
+        };
+        let e = External {
+            endpoints: vec![
+                ep(0, 30001, Some(NodeRole::Replica)),
+                ep(1, 30002, Some(NodeRole::Primary)),
+            ],
+            missing: vec![],
+        };
+        assert_eq!(
+            e.bootstrap().as_deref(),
+            Some("127.0.0.9:30002,127.0.0.9:30001")
+        );
+        assert_eq!(External::default().bootstrap(), None);
+    }
+}
