@@ -912,6 +912,29 @@ async fn only_external_addresses(
             "CLUSTER SLOTS names the pod address {a}"
         );
     }
+    // CLUSTER NODES and CLUSTER SHARDS, asked the same way, name the same addresses.
+    let mut admin = Admin::connect(seeds[0], Timeouts::default()).await?;
+    let lines = admin.cluster_nodes().await?;
+    ensure!(
+        lines.len() == external_addrs.len(),
+        "CLUSTER NODES: {lines:?}"
+    );
+    for l in &lines {
+        let a = format!("{}:{}", l.ip, l.port);
+        ensure!(
+            external_addrs.contains(&a),
+            "CLUSTER NODES names {a}: not external ({external_addrs:?})"
+        );
+    }
+    for shard in admin.cluster_shards().await? {
+        for n in &shard.nodes {
+            let a = format!("{}:{}", n.ip, n.port.unwrap_or(0));
+            ensure!(
+                external_addrs.contains(&a),
+                "CLUSTER SHARDS names {a}: not external ({external_addrs:?})"
+            );
+        }
+    }
     Ok(())
 }
 
