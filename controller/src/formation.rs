@@ -124,14 +124,6 @@ pub enum FormationError {
     },
 }
 
-impl FormationError {
-    pub fn label(&self) -> &'static str {
-        match self {
-            FormationError::Node { source, .. } => source.label(),
-        }
-    }
-}
-
 /// One node, connected, with what it says.
 struct Seen {
     node: NodeRef,

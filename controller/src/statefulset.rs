@@ -151,16 +151,3 @@ pub async fn apply_node(
     let sts = build_node(vc, node, config_hash, announce)?;
     apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &sts).await
 }
-
-/// The config hash a StatefulSet's pods are to run with.
-pub fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
-    sts.spec
-        .as_ref()?
-        .template
-        .metadata
-        .as_ref()?
-        .annotations
-        .as_ref()?
-        .get(CONFIG_HASH)
-        .map(String::as_str)
-}
