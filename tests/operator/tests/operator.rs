@@ -287,18 +287,22 @@ async fn killed_primary_heals(env: TestEnv) -> Result<()> {
     .await?;
     let failed_over = killed.elapsed();
     cp.agent().fault(&ns, &pod, Fault::Restart).await?;
-    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
+    // The old primary is back as a replica of the new one, with its id. (Ready may still be
+    // the status from before the kill, so the node's own view is what is waited for.)
+    eventually("the old primary follows the new one", FORM, || async {
+        let after = views(&pod_addrs(&client, &ns, "vc").await?).await?;
+        let back = &after[&victim];
+        ensure!(back.id == victim_id, "{back:?}");
+        ensure!(
+            back.primary_id.as_deref() == Some(after[&replica].id.as_str()),
+            "{back:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
     let healed = killed.elapsed();
     eprintln!("killed primary: failover after {failed_over:?}, Ready again after {healed:?}");
-    // The old primary is back as a replica of the new one, with its id.
-    let after = views(&pod_addrs(&client, &ns, "vc").await?).await?;
-    let back = &after[&victim];
-    ensure!(back.id == victim_id, "{back:?}");
-    ensure!(
-        back.primary_id.as_deref() == Some(after[&replica].id.as_str()),
-        "{back:?}"
-    );
-    ensure!(condition(&vc, "Ready").is_some_and(|c| c.0 == "True"));
     operator.stop().await;
     Ok(())
 }
@@ -360,11 +364,9 @@ async fn new_ip_and_wiped_primary_rejoin(env: TestEnv) -> Result<()> {
         Ok(a[&moved])
     })
     .await?;
-    wait_ready(&client, &ns, "vc", FORM).await?;
-    ensure!(
-        id_of(new_addr).await? == moved_line.id,
-        "the moved node changed its id"
-    );
+    // Ready may still be the status from before the restart: wait for the node itself.
+    let id = eventually("the moved node answers", FORM, || id_of(new_addr)).await?;
+    ensure!(id == moved_line.id, "the moved node changed its id");
     let seen_by_others = eventually("every node sees the new address", FORM, || async {
         for (n, a) in pod_addrs(&client, &ns, "vc").await? {
             let mut c = Admin::connect(a, Timeouts::default()).await?;
@@ -384,6 +386,7 @@ async fn new_ip_and_wiped_primary_rejoin(env: TestEnv) -> Result<()> {
     })
     .await;
     seen_by_others?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
 
     // A primary loses its data: its replica takes over, and the empty node comes back with
     // a new id as the new primary's replica; its old id is forgotten everywhere.
@@ -404,29 +407,40 @@ async fn new_ip_and_wiped_primary_rejoin(env: TestEnv) -> Result<()> {
         },
     )
     .await?;
-    wait_ready(&client, &ns, "vc", FORM).await?;
+    // Ready may still be the status from before the wipe (no reconcile has seen it yet), so
+    // wait for the state itself: the partner leads, the wiped node follows it, and every
+    // node has forgotten the old id.
+    let partner = NodeRef::new(wiped.shard.0, 1 - wiped.node.0);
+    eventually(
+        "the wiped node rejoins as its partner's replica",
+        FORM,
+        || async {
+            let addrs = pod_addrs(&client, &ns, "vc").await?;
+            let after = views(&addrs).await?;
+            ensure!(after[&partner].is_primary(), "{:?}", after[&partner]);
+            ensure!(
+                after[&wiped].primary_id.as_deref() == Some(after[&partner].id.as_str()),
+                "{:?}",
+                after[&wiped]
+            );
+            for (n, a) in &addrs {
+                let mut c = Admin::connect(*a, Timeouts::default()).await?;
+                let lines = c.cluster_nodes().await?;
+                ensure!(
+                    lines.iter().all(|l| l.id != wiped_line.id),
+                    "node {n} still knows the wiped node's old id"
+                );
+                ensure!(lines.len() == 6, "node {n} knows {} nodes", lines.len());
+            }
+            Ok(())
+        },
+    )
+    .await?;
     eprintln!(
         "wiped primary back as a replica after {:?}",
         started.elapsed()
     );
-    let addrs = pod_addrs(&client, &ns, "vc").await?;
-    let after = views(&addrs).await?;
-    let partner = NodeRef::new(wiped.shard.0, 1 - wiped.node.0);
-    ensure!(after[&partner].is_primary(), "{:?}", after[&partner]);
-    ensure!(
-        after[&wiped].primary_id.as_deref() == Some(after[&partner].id.as_str()),
-        "{:?}",
-        after[&wiped]
-    );
-    for (n, a) in &addrs {
-        let mut c = Admin::connect(*a, Timeouts::default()).await?;
-        let lines = c.cluster_nodes().await?;
-        ensure!(
-            lines.iter().all(|l| l.id != wiped_line.id),
-            "node {n} still knows the wiped node's old id"
-        );
-        ensure!(lines.len() == 6, "node {n} knows {} nodes", lines.len());
-    }
+    wait_ready(&client, &ns, "vc", FORM).await?;
     operator.stop().await;
     Ok(())
 }
