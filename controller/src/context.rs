@@ -6,6 +6,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::Client;
 use shardgate_admin_client::Timeouts;
 
+use crate::external::gateway::GatewayApi;
 use crate::metrics::Metrics;
 
 /// The field manager of every object the operator applies (server-side apply).
@@ -21,6 +22,10 @@ pub struct Context {
     pub timeouts: Timeouts,
     /// Consecutive failures per cluster, for the retry backoff.
     pub backoff: crate::reconcile::Backoff,
+    /// Whether Gateway API is served: found by [`crate::run`] at start-up.
+    pub gateway_api: GatewayApi,
+    /// The clusters already told that Gateway API is missing (one Event each).
+    pub gateway_warned: crate::reconcile::Warned,
 }
 
 impl Context {
@@ -36,6 +41,8 @@ impl Context {
             metrics,
             timeouts: Timeouts::default(),
             backoff: Default::default(),
+            gateway_api: GatewayApi::Missing("not looked for yet".into()),
+            gateway_warned: Default::default(),
         }
     }
 }

@@ -159,6 +159,8 @@ pub enum Ended {
     Shutdown,
     /// The lease was lost while leading.
     LostLease,
+    /// The controller could not start (logged).
+    Failed,
 }
 
 /// Waits for the lease, then runs the controller while holding it, until `shutdown` or the
@@ -186,15 +188,21 @@ pub async fn run_as_leader(
     let run = crate::run(ctx.clone(), scope, stop.clone().cancelled_owned());
     tokio::pin!(run);
     let ended = tokio::select! {
-        _ = &mut run => Ended::Shutdown,
+        r = &mut run => match r {
+            Ok(()) => Ended::Shutdown,
+            Err(e) => {
+                tracing::error!("the controller stopped: {e}");
+                Ended::Failed
+            }
+        },
         _ = election.hold() => {
             stop.cancel();
-            run.await;
+            let _ = run.await;
             Ended::LostLease
         }
     };
     ctx.metrics.leader.set(0);
-    if ended == Ended::Shutdown {
+    if ended != Ended::LostLease {
         election.release().await;
     }
     ended

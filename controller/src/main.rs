@@ -140,7 +140,7 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
     if !args.leader_election {
         metrics.leader.set(1);
         tokio::select! {
-            _ = run(ctx, scope, terminated()) => {}
+            r = run(ctx, scope, terminated()) => r.context("the controller stopped")?,
             r = http => return Err(anyhow::anyhow!("metrics server on {} stopped: {r:?}", args.metrics_addr)),
         }
         return Ok(true);

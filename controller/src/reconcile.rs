@@ -6,11 +6,13 @@
 //! ([`crate::formation`]), then rolling config changes ([`crate::rolling`]), then status
 //! ([`crate::status`]). Events are published for every change made and every failure.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use gateway_api::experimental::gateways::Gateway;
+use gateway_api::experimental::tcproutes::TcpRoute;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kube::api::Api;
@@ -26,6 +28,7 @@ use tracing::{info, warn};
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::external::gateway::GatewayApi;
 use crate::formation::{self, Plan, Progress};
 use crate::metrics::{ActionLabels, ErrorLabels};
 use crate::status::Observed;
@@ -80,6 +83,31 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         let note = format!("deleted external Service {svc}: no node of the spec uses it");
         publish(ctx, vc, EventType::Normal, "ExternalServiceRemoved", &note).await;
     }
+    // Gateway mode: a TCPRoute per node to those Services (routes no longer needed go).
+    let (routing, removed) = external::gateway::apply_routes(vc, ctx, ea, &exposures).await?;
+    for route in &removed {
+        let note = format!("deleted TCPRoute {route}: no node of the spec uses it");
+        publish(ctx, vc, EventType::Normal, "TCPRouteRemoved", &note).await;
+    }
+    if let Some(r) = routing
+        .as_ref()
+        .filter(|r| r.reason == "GatewayAPIUnavailable")
+    {
+        // Once per cluster (and operator run), not on every reconcile.
+        let first = ctx
+            .gateway_warned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ObjectRef::from_obj(vc));
+        if first {
+            let note = format!(
+                "externalAccess.gateway is set but {}; no TCPRoute is made (install the Gateway \
+                 API experimental-channel CRDs and restart the operator)",
+                r.problems.join("; ")
+            );
+            publish(ctx, vc, EventType::Warning, "GatewayAPIUnavailable", &note).await;
+        }
+    }
     let nodes: Vec<_> = vc.spec.node_refs().collect();
     // Each node's pods run with the config's hash and their announce flags' (a change of
     // either rolls them).
@@ -115,7 +143,10 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     pods.nodes.retain(|n, _| nodes.contains(n));
     // Client IPs known only now that the pods run (their Kubernetes nodes' addresses).
     let node_hosts = match ea {
-        Some(ea) => external::endpoints::node_hosts(ctx, ea, &exposures, &pods).await?,
+        Some(ea) => {
+            let gateway_address = routing.as_ref().and_then(|r| r.status.address.as_deref());
+            external::endpoints::node_hosts(ctx, ea, &exposures, &pods, gateway_address).await?
+        }
         None => BTreeMap::new(),
     };
     for what in external::announce::set_runtime_ips(&pods, &node_hosts, ctx.timeouts).await {
@@ -183,13 +214,14 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }
 
     let external = match ea {
-        Some(ea) => Some(external::endpoints::observe(
-            vc,
-            ea,
-            &exposures,
-            &node_hosts,
-            &progress,
-        )?),
+        Some(ea) => {
+            let mut ext = external::endpoints::observe(vc, ea, &exposures, &node_hosts, &progress)?;
+            // Nodes are not reachable through a Gateway that lacks their listeners.
+            if let Some(r) = &routing {
+                ext.missing.extend(r.problems.iter().cloned());
+            }
+            Some(ext)
+        }
         None => None,
     };
 
@@ -205,6 +237,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             shards: vc.spec.shards as u32,
             rolling: stale.len(),
             external: external.as_ref(),
+            gateway: routing.as_ref(),
         },
     )
     .await?;
@@ -261,6 +294,9 @@ impl Context {
 /// Per-cluster consecutive failures, for the backoff.
 pub type Backoff = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
 
+/// The clusters a one-time warning was published for.
+pub type Warned = Arc<Mutex<HashSet<ObjectRef<ValkeyCluster>>>>;
+
 /// Publishes an event about `vc`; a failure to publish is logged, not fatal.
 async fn publish(ctx: &Context, vc: &ValkeyCluster, type_: EventType, reason: &str, note: &str) {
     let event = Event {
@@ -296,19 +332,29 @@ impl Scope {
     }
 }
 
-/// Runs the controller until `shutdown` resolves.
+/// Runs the controller until `shutdown` resolves. Gateway API is looked for first, once: a
+/// failure to ask is an error (the operator restarts), its absence is not.
 pub async fn run(
     ctx: Arc<Context>,
     scope: Scope,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-) {
+) -> Result<()> {
     let client = ctx.client.clone();
+    let gateway_api = external::gateway::discover(&client).await?;
+    match &gateway_api {
+        GatewayApi::Served => info!("Gateway API TCPRoute served: gateway mode available"),
+        GatewayApi::Missing(why) => warn!("gateway mode unavailable: {why}"),
+    }
+    let ctx = Arc::new(Context {
+        gateway_api: gateway_api.clone(),
+        ..(*ctx).clone()
+    });
     let managed = watcher::Config::default().labels(&format!(
         "{}={}",
         labels::MANAGED_BY,
         labels::MANAGED_BY_VALUE
     ));
-    Controller::new(
+    let mut controller = Controller::new(
         scope.api::<ValkeyCluster>(&client),
         watcher::Config::default(),
     )
@@ -316,18 +362,47 @@ pub async fn run(
     .owns(scope.api::<ConfigMap>(&client), managed.clone())
     .owns(scope.api::<Service>(&client), managed.clone())
     // Pods belong to the StatefulSets; their readiness and IPs matter to formation.
-    .watches(scope.api::<Pod>(&client), managed, |pod: Pod| {
+    .watches(scope.api::<Pod>(&client), managed.clone(), |pod: Pod| {
         let ns = pod.namespace()?;
         let cluster = pod.labels().get(labels::INSTANCE)?.clone();
         Some(ObjectRef::<ValkeyCluster>::new(&cluster).within(&ns))
-    })
-    .graceful_shutdown_on(shutdown)
-    .run(reconcile, error_policy, ctx)
-    .for_each(|result| async move {
-        match result {
-            Ok((obj, _)) => tracing::debug!(cluster = %obj.name, "reconciled"),
-            Err(e) => tracing::debug!("controller: {e}"),
-        }
-    })
-    .await;
+    });
+    if gateway_api.served() {
+        // A route's acceptance, and a Gateway's listeners and address, are in status.
+        let clusters = controller.store();
+        controller = controller
+            .owns(scope.api::<TcpRoute>(&client), managed)
+            .watches(
+                scope.api::<Gateway>(&client),
+                watcher::Config::default(),
+                move |gw: Gateway| {
+                    let ns = gw.namespace();
+                    let name = gw.name_any();
+                    clusters
+                        .state()
+                        .into_iter()
+                        .filter(|vc| {
+                            ResourceExt::namespace(vc.as_ref()) == ns
+                                && vc
+                                    .spec
+                                    .external_access()
+                                    .and_then(|ea| ea.gateway.as_ref())
+                                    .is_some_and(|g| g.gateway_ref.name == name)
+                        })
+                        .map(|vc| ObjectRef::from_obj(&*vc))
+                        .collect::<Vec<_>>()
+                },
+            );
+    }
+    controller
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((obj, _)) => tracing::debug!(cluster = %obj.name, "reconciled"),
+                Err(e) => tracing::debug!("controller: {e}"),
+            }
+        })
+        .await;
+    Ok(())
 }

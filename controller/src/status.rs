@@ -11,6 +11,7 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 use crate::context::{Context, FIELD_MANAGER};
 use crate::error::Result;
+use crate::external::gateway::Routing;
 use crate::external::External;
 use crate::formation::Progress;
 use crate::objects::namespace;
@@ -26,6 +27,8 @@ pub struct Observed<'a> {
     pub rolling: usize,
     /// External access in announce mode: its endpoints (`None`: off, and not reported).
     pub external: Option<&'a External>,
+    /// Gateway mode: what the Gateway has (`None`: no gateway, and not reported).
+    pub gateway: Option<&'a Routing>,
 }
 
 /// A condition as computed, before its transition time is settled.
@@ -56,7 +59,41 @@ pub fn compute(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Compu
     if let Some(ext) = o.external {
         conditions.push(external_condition(ext, o.desired_nodes));
     }
+    if let Some(r) = o.gateway {
+        conditions.push(gateway_condition(r));
+    }
     (phase, conditions)
+}
+
+/// GatewayReady: the Gateway has a TCP listener for every route, accepted them all, and
+/// has an address.
+fn gateway_condition(r: &Routing) -> Computed {
+    let ports: Vec<String> = r
+        .status
+        .expected_listeners
+        .iter()
+        .map(|l| l.port.to_string())
+        .collect();
+    if r.problems.is_empty() {
+        Computed {
+            type_: "GatewayReady",
+            status: true,
+            reason: "RoutesAccepted",
+            message: format!(
+                "Gateway {} at {} routes listener ports {} to the nodes",
+                r.status.name,
+                r.status.address.as_deref().unwrap_or_default(),
+                ports.join(",")
+            ),
+        }
+    } else {
+        Computed {
+            type_: "GatewayReady",
+            status: false,
+            reason: r.reason,
+            message: r.problems.join("; "),
+        }
+    }
 }
 
 /// ExternalAccessReady: true when every node has an external endpoint.
@@ -217,6 +254,9 @@ pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Resul
         if let Some(b) = ext.bootstrap() {
             status["status"]["bootstrap"] = json!(b);
         }
+    }
+    if let Some(r) = o.gateway {
+        status["status"]["gateway"] = json!(r.status);
     }
     let api: Api<ValkeyCluster> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
     api.patch_status(

@@ -294,10 +294,23 @@ pub struct GatewaySpec {
 pub struct GatewayRef {
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
-    /// The listener (`parentRefs[].sectionName`); unset: every listener whose port matches.
+    /// The listeners' name prefix: node `k` (flat index) attaches to listener
+    /// `<sectionName>-<k>` (`parentRefs[].sectionName`), which must also have the node's
+    /// port. Unset: each route attaches to the Gateway's listener with its port
+    /// (`parentRefs[].port`). A TCP listener carries one route, so one name cannot serve
+    /// every node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 240))]
     pub section_name: Option<String>,
+}
+
+impl GatewayRef {
+    /// The listener the route of the node at `flat_index` names, if any.
+    pub fn section_for(&self, flat_index: u32) -> Option<String> {
+        self.section_name
+            .as_deref()
+            .map(|prefix| format!("{prefix}-{flat_index}"))
+    }
 }
 
 /// `externalAccess.proxy`: the shardgate proxy's Deployment and Service.

@@ -28,6 +28,11 @@ pub mod objects {
         format!("{cluster}-{node}")
     }
 
+    /// The TCPRoute of one node (gateway mode): named as the node, `<cluster>-<s>-<n>`.
+    pub fn tcp_route(cluster: &str, id: NodeRef) -> String {
+        node(cluster, id)
+    }
+
     /// The headless Service that gives the pods their DNS names.
     pub fn headless_service(cluster: &str) -> String {
         format!("{cluster}-nodes")

@@ -211,6 +211,7 @@ string_enum! {
         Progressing = "Progressing",
         Degraded = "Degraded",
         ExternalAccessReady = "ExternalAccessReady",
+        GatewayReady = "GatewayReady",
     }
     default = Ready
 }
@@ -226,8 +227,8 @@ string_enum! {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ValkeyClusterStatus {
-    /// One per type: Ready, ClusterFormed, Progressing, Degraded, ExternalAccessReady
-    /// (`ConditionType` in Rust).
+    /// One per type: Ready, ClusterFormed, Progressing, Degraded, ExternalAccessReady,
+    /// GatewayReady (`ConditionType` in Rust).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
@@ -259,6 +260,39 @@ pub struct ValkeyClusterStatus {
     /// A `host:port,host:port,...` list to start a cluster client from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap: Option<String>,
+
+    /// Gateway mode: the listeners the routes expect on the Gateway, and what it lacks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewayRouting>,
+}
+
+/// `status.gateway`: the TCP listeners the routes need on the user's Gateway (the listeners
+/// are the user's to declare), and which of them it does not have.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayRouting {
+    /// The Gateway's name (in the cluster's namespace).
+    pub name: String,
+    /// The Gateway's address (its `status.addresses`), once it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// One TCP listener per node, in flat-index order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expected_listeners: Vec<ExpectedListener>,
+    /// The expected listener ports the Gateway has no TCP listener for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_ports: Vec<i32>,
+}
+
+/// A listener the routes need: its port, and its name when `sectionName` is set.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExpectedListener {
+    pub port: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The TCPRoute that attaches to it.
+    pub route: String,
 }
 
 /// `ready/total`, the text of `status.ready`.

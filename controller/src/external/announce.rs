@@ -159,6 +159,7 @@ mod tests {
             port: 6380,
             node_port: Some(31001),
             ingress: Some("127.0.9.9".into()),
+            gateway_port: None,
         }
     }
 

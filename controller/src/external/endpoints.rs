@@ -1,7 +1,8 @@
 //! `status.externalEndpoints` and `status.bootstrap`: where each node is reached from outside,
 //! read back from what the API server allocated, and what is still missing.
 //!
-//! A node's host is the `advertisedHost`; else, on a LoadBalancer Service, its ingress; on a
+//! A node's host is the `advertisedHost`; else, in gateway mode, the Gateway's address (its
+//! port the Gateway listener's); on a LoadBalancer Service, its ingress; on a
 //! NodePort Service, the address of the Kubernetes node its pod runs on, of type
 //! `nodeAddressType` (else the first of ExternalDNS, ExternalIP, InternalDNS, InternalIP,
 //! Hostname it has); on a ClusterIP Service, the Service's cluster DNS name.
@@ -61,13 +62,15 @@ pub fn node_address(node: &Node, preferred: Option<NodeAddressType>) -> Option<S
         })
 }
 
-/// The address of the Kubernetes node each pod runs on, for the nodes whose NodePort is
-/// reached there (a NodePort Service and no `advertisedHost`).
+/// The hosts known only at run time, for the nodes without an `advertisedHost`: the
+/// Gateway's address for a node routed by the Gateway (`gateway_address`), else the address
+/// of the Kubernetes node the pod runs on, for a node whose NodePort is reached there.
 pub async fn node_hosts(
     ctx: &Context,
     ea: &ExternalAccess,
     exposures: &Exposures,
     pods: &Pods,
+    gateway_address: Option<&str>,
 ) -> Result<BTreeMap<NodeRef, String>> {
     let mut out = BTreeMap::new();
     if ea.advertised_host.is_some() {
@@ -76,6 +79,12 @@ pub async fn node_hosts(
     let nodes_api: Api<Node> = Api::all(ctx.client.clone());
     let mut cache: BTreeMap<String, Option<Node>> = BTreeMap::new();
     for (node, exposure) in exposures {
+        if exposure.gateway_port.is_some() {
+            if let Some(address) = gateway_address {
+                out.insert(*node, address.to_string());
+            }
+            continue;
+        }
         if exposure.service_type != ServiceType::NodePort {
             continue;
         }
@@ -122,12 +131,16 @@ pub fn observe(
         };
         let host = match (&ea.advertised_host, exposure.service_type) {
             (Some(h), _) => Some(h.clone()),
+            (None, _) if exposure.gateway_port.is_some() => node_hosts.get(&node).cloned(),
             (None, ServiceType::LoadBalancer) => exposure.ingress.clone(),
             (None, ServiceType::ClusterIP) => Some(format!("{}.{ns}.svc", exposure.service)),
             (None, ServiceType::NodePort) => node_hosts.get(&node).cloned(),
         };
         let Some(host) = host else {
             out.missing.push(match exposure.service_type {
+                _ if exposure.gateway_port.is_some() => {
+                    format!("node {node}: the Gateway has no address yet")
+                }
                 ServiceType::LoadBalancer => format!(
                     "node {node}: LoadBalancer Service {} has no ingress yet",
                     exposure.service

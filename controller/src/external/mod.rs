@@ -1,8 +1,10 @@
 //! External access in announce mode (`spec.externalAccess`, `mode: announce`): Valkey itself
-//! hands out the external endpoints.
+//! hands out the external endpoints, reached through Services or a Gateway.
 //!
 //! - [`services`]: the per-shard (or per-node) Services, the NodePorts and LoadBalancer
 //!   ingress read back from them, and the removal of Services no longer needed.
+//! - [`gateway`]: with `gateway` set, one TCPRoute per node on the user's Gateway, and what
+//!   the Gateway lacks.
 //! - [`announce`]: the flags each node announces its endpoint with, and the per-node hash
 //!   that rolls a node whose flags change.
 //! - [`endpoints`]: `status.externalEndpoints` and `status.bootstrap`: each node's host (the
@@ -10,6 +12,7 @@
 
 pub mod announce;
 pub mod endpoints;
+pub mod gateway;
 pub mod services;
 
 use shardgate_crds::external_access::{ExternalAccess, ExternalAccessMode};

@@ -43,12 +43,17 @@ pub struct Exposure {
     pub node_port: Option<i32>,
     /// The LoadBalancer's ingress (an IP or a name), once one is assigned.
     pub ingress: Option<String>,
+    /// Gateway mode: the Gateway listener port routed to this node.
+    pub gateway_port: Option<i32>,
 }
 
 impl Exposure {
-    /// The port clients outside connect to: the NodePort of a NodePort Service, else the
-    /// Service port.
+    /// The port clients outside connect to: the Gateway's listener in gateway mode, the
+    /// NodePort of a NodePort Service, else the Service port.
     pub fn external_port(&self) -> Option<i32> {
+        if self.gateway_port.is_some() {
+            return self.gateway_port;
+        }
         match self.service_type {
             ServiceType::NodePort => self.node_port,
             ServiceType::LoadBalancer | ServiceType::ClusterIP => Some(self.port),
@@ -230,6 +235,10 @@ pub async fn apply_services(
         Some(ea) => desired(vc, ea)?,
         None => Vec::new(),
     };
+    let gateway_ports = match ea.and_then(|ea| ea.gateway.as_ref()) {
+        Some(g) => super::gateway::ports(vc, g.base_port)?,
+        None => BTreeMap::new(),
+    };
     let mut exposures = Exposures::new();
     let mut names = BTreeSet::new();
     for d in wanted {
@@ -275,6 +284,7 @@ pub async fn apply_services(
                     port: p.port,
                     node_port: p.node_port,
                     ingress: ingress.clone(),
+                    gateway_port: gateway_ports.get(&node).map(|&(_, port)| port),
                 },
             );
         }

@@ -16,6 +16,8 @@
 //!   own namespace, torn down when they are done (also when one fails or panics).
 //! - [`process`]: the daemons and containers as child processes with their logs; processes
 //!   of a test process that died are reaped by the next run.
+//! - [`traefik`]: [`Traefik`], a real Gateway API data plane (Traefik's Kubernetes Gateway
+//!   provider, built by `scripts/setup-traefik`) on a loopback IP, against the control plane.
 
 pub mod agent;
 mod control_plane;
@@ -23,8 +25,10 @@ mod crds;
 mod pki;
 pub mod process;
 mod suite;
+pub mod traefik;
 
 pub use agent::{Fault, NodeAgent, NODE_NAME};
 pub use control_plane::{gateway_api_crds_dir, yaml_files_in, ControlPlane, Options};
 pub use crds::FIELD_MANAGER;
 pub use suite::{Suite, TestEnv};
+pub use traefik::{free_loopback_ip, traefik_binary, Traefik, TRAEFIK_CONTROLLER_NAME};

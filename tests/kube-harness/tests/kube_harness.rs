@@ -10,10 +10,13 @@ use anyhow::{bail, ensure, Context, Result};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::core::GroupVersionKind;
 use kube::Client;
 use serde_json::json;
-use shardgate_kube_harness::{Fault, Suite, TestEnv, NODE_NAME};
+use shardgate_kube_harness::{
+    free_loopback_ip, Fault, Suite, TestEnv, Traefik, NODE_NAME, TRAEFIK_CONTROLLER_NAME,
+};
 
 fn main() -> ExitCode {
     Suite::new()
@@ -40,6 +43,10 @@ fn main() -> ExitCode {
         )
         .test("faults_restart_wipe_and_move_a_pod", faults)
         .test("kubectl_works_with_the_kubeconfig", kubectl_works)
+        .test(
+            "a_gateway_tcproute_through_traefik_reaches_the_pod_behind_each_listener",
+            traefik_gateway_tcproutes,
+        )
         .run()
 }
 
@@ -474,5 +481,221 @@ async fn kubectl_works(env: TestEnv) -> Result<()> {
         crds.contains("tcproutes.gateway.networking.k8s.io"),
         "{crds}"
     );
+    Ok(())
+}
+
+/// A Gateway API kind (its `version` and `plural`) as a dynamic API in `ns` (or
+/// cluster-wide): the harness does not depend on the gateway-api crate.
+fn gateway_api(
+    client: &Client,
+    ns: Option<&str>,
+    version: &str,
+    kind: &str,
+    plural: &str,
+) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("gateway.networking.k8s.io", version, kind);
+    let resource = ApiResource::from_gvk_with_plural(&gvk, plural);
+    match ns {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    }
+}
+
+async fn create_dynamic(api: &Api<DynamicObject>, object: serde_json::Value) -> Result<()> {
+    let object: DynamicObject = serde_json::from_value(object).context("a Gateway API object")?;
+    let name = object.metadata.name.clone().unwrap_or_default();
+    api.create(&PostParams::default(), &object)
+        .await
+        .with_context(|| format!("creating {name}"))?;
+    Ok(())
+}
+
+/// A bare pod `name` running valkey-server on 6379, that port named `port_name` (each pod's
+/// name differs, so a Service port targeting it by name reaches only that pod).
+async fn valkey_pod(client: &Client, ns: &str, name: &str, port_name: &str) -> Result<()> {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": { "app": "gw" } },
+        "spec": {
+            "containers": [{
+                "name": "valkey",
+                "image": "valkey/valkey:9.0",
+                "command": ["valkey-server", "--port", "6379"],
+                "ports": [{ "name": port_name, "containerPort": 6379 }],
+                "readinessProbe": { "tcpSocket": { "port": port_name } },
+            }],
+        },
+    }))?;
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .with_context(|| format!("creating pod {name}"))?;
+    Ok(())
+}
+
+/// The value of `field=` in a `CLIENT INFO` line.
+fn client_info_field(info: &str, field: &str) -> Option<String> {
+    info.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))
+        .map(str::to_string)
+}
+
+/// The `type` condition of `conditions` (a JSON array) has status `True`.
+fn condition_true(conditions: &serde_json::Value, type_: &str) -> bool {
+    conditions
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"].as_str() == Some(type_) && c["status"].as_str() == Some("True"))
+}
+
+async fn traefik_gateway_tcproutes(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    // Two listener ports, one entry point each, on an IP of their own.
+    let ports = [7000u16, 7001];
+    let ip = free_loopback_ip(&ports)?;
+    let entry_points: Vec<(String, u16)> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, &port)| (format!("gw{i}"), port))
+        .collect();
+    // Only this namespace: other tests' Gateways are not this Traefik's.
+    let traefik = Traefik::start_in(&cp, &[ns.as_str()], ip, &entry_points).await?;
+
+    // Two pods behind one Service whose ports target a different pod each, by port name.
+    for i in 0..2 {
+        valkey_pod(&client, &ns, &format!("vk-{i}"), &format!("vk-n{i}")).await?;
+    }
+    create_service(
+        &client,
+        &ns,
+        "gw-backend",
+        json!({
+            "selector": { "app": "gw" },
+            "ports": [
+                { "name": "n0", "port": 7100, "targetPort": "vk-n0" },
+                { "name": "n1", "port": 7101, "targetPort": "vk-n1" },
+            ],
+        }),
+    )
+    .await?;
+    let mut pod_ips = Vec::new();
+    for i in 0..2 {
+        pod_ips.push(pod_ip(&ready_pod(&client, &ns, &format!("vk-{i}")).await?)?);
+    }
+
+    // GatewayClasses are cluster-scoped: one per test namespace.
+    let class = format!("traefik-{ns}");
+    let classes = gateway_api(&client, None, "v1", "GatewayClass", "gatewayclasses");
+    create_dynamic(
+        &classes,
+        json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+            "metadata": { "name": class },
+            "spec": { "controllerName": TRAEFIK_CONTROLLER_NAME },
+        }),
+    )
+    .await?;
+    let gateways = gateway_api(&client, Some(&ns), "v1", "Gateway", "gateways");
+    let listeners: Vec<serde_json::Value> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| {
+            json!({
+                "name": format!("l{i}"), "port": port, "protocol": "TCP",
+                "allowedRoutes": { "kinds": [{ "kind": "TCPRoute" }] },
+            })
+        })
+        .collect();
+    create_dynamic(
+        &gateways,
+        json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": { "name": "gw" },
+            "spec": { "gatewayClassName": class, "listeners": listeners },
+        }),
+    )
+    .await?;
+    let routes = gateway_api(&client, Some(&ns), "v1alpha2", "TCPRoute", "tcproutes");
+    for i in 0..2 {
+        create_dynamic(
+            &routes,
+            json!({
+                "apiVersion": "gateway.networking.k8s.io/v1alpha2", "kind": "TCPRoute",
+                "metadata": { "name": format!("r{i}") },
+                "spec": {
+                    "parentRefs": [{ "name": "gw", "sectionName": format!("l{i}") }],
+                    "rules": [{ "backendRefs": [{ "name": "gw-backend", "port": 7100 + i }] }],
+                },
+            }),
+        )
+        .await?;
+    }
+
+    // Status, as Traefik writes it: the address, each listener with its one route.
+    let status = eventually("the Gateway's status from Traefik", || async {
+        traefik.check_running()?;
+        let gw = gateways.get("gw").await?;
+        let status = gw.data["status"].clone();
+        ensure!(
+            status["addresses"][0]["value"].as_str() == Some(ip.to_string().as_str()),
+            "status.addresses: {}",
+            status["addresses"]
+        );
+        ensure!(
+            condition_true(&status["conditions"], "Programmed"),
+            "conditions: {}",
+            status["conditions"]
+        );
+        for i in 0..2 {
+            let name = format!("l{i}");
+            let listener = status["listeners"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|l| l["name"].as_str() == Some(name.as_str()))
+                .with_context(|| format!("no status for listener {name}: {status}"))?;
+            ensure!(
+                listener["attachedRoutes"] == 1
+                    && condition_true(&listener["conditions"], "Programmed"),
+                "listener {name}: {listener}"
+            );
+        }
+        Ok(status)
+    })
+    .await
+    .with_context(|| format!("traefik log tail:\n{}", traefik.log_tail(20)))?;
+    for i in 0..2 {
+        let name = format!("r{i}");
+        eventually(&format!("TCPRoute {name} accepted"), || async {
+            let route = routes.get(&name).await?;
+            let parents = &route.data["status"]["parents"];
+            let accepted = parents.as_array().into_iter().flatten().any(|p| {
+                p["controllerName"].as_str() == Some(TRAEFIK_CONTROLLER_NAME)
+                    && condition_true(&p["conditions"], "Accepted")
+                    && condition_true(&p["conditions"], "ResolvedRefs")
+            });
+            ensure!(accepted, "status.parents: {parents}");
+            Ok(())
+        })
+        .await?;
+    }
+
+    // Through each listener, the connection arrives at its own pod (laddr: the pod's side).
+    for (i, port) in ports.iter().enumerate() {
+        let addr = traefik.addr(*port);
+        let want = SocketAddr::from((pod_ips[i], 6379)).to_string();
+        eventually(
+            &format!("listener l{i} at {addr} reaching vk-{i}"),
+            || async {
+                traefik.check_running()?;
+                let info = text(&valkey(addr, &["CLIENT", "INFO"])?);
+                let laddr = client_info_field(&info, "laddr").context("no laddr in CLIENT INFO")?;
+                ensure!(laddr == want, "laddr {laddr}, want {want}: {info}");
+                Ok(())
+            },
+        )
+        .await
+        .with_context(|| format!("gateway status: {status}"))?;
+    }
     Ok(())
 }

@@ -2,6 +2,8 @@
 //! harness's API server, `ValkeyCluster` objects made and waited on as a user would (through
 //! the API and its status), and clients at the pods' addresses.
 
+pub mod external;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -24,14 +26,19 @@ use tokio::task::JoinHandle;
 /// A test suite whose control plane has the ValkeyCluster CRD (`deploy/crds/`) installed;
 /// `None` (with the reason printed) when the CRD files cannot be read.
 pub fn suite_with_crds() -> Option<shardgate_kube_harness::Suite> {
+    suite_with(shardgate_kube_harness::Options::default())
+}
+
+/// As [`suite_with_crds`], with the control plane's other `options` (e.g. no Gateway API).
+pub fn suite_with(
+    mut options: shardgate_kube_harness::Options,
+) -> Option<shardgate_kube_harness::Suite> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds");
     match shardgate_kube_harness::yaml_files_in(&dir) {
-        Ok(files) if !files.is_empty() => Some(shardgate_kube_harness::Suite::new().options(
-            shardgate_kube_harness::Options {
-                yaml_files: files,
-                ..Default::default()
-            },
-        )),
+        Ok(files) if !files.is_empty() => {
+            options.yaml_files.extend(files);
+            Some(shardgate_kube_harness::Suite::new().options(options))
+        }
         Ok(_) => {
             eprintln!("{}: no CRD YAML", dir.display());
             None
@@ -65,9 +72,14 @@ impl Operator {
         let scope = Scope {
             namespace: Some(namespace.to_string()),
         };
-        let task = tokio::spawn(shardgate_controller::run(ctx, scope, async move {
-            let _ = rx.await;
-        }));
+        let task = tokio::spawn(async move {
+            let run = shardgate_controller::run(ctx, scope, async move {
+                let _ = rx.await;
+            });
+            if let Err(e) = run.await {
+                eprintln!("the operator stopped: {e}");
+            }
+        });
         Operator {
             metrics,
             registry,

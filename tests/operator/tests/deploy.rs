@@ -647,6 +647,15 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
         access("delete", "pods", Some(ns)),
         access("create", "events.events.k8s.io", Some(ns)),
         access("patch", "events.events.k8s.io", Some(ns)),
+        // Gateway mode: TCPRoutes made and removed, Gateways read.
+        access("list", "tcproutes.gateway.networking.k8s.io", watch_ns),
+        access("watch", "tcproutes.gateway.networking.k8s.io", watch_ns),
+        access("create", "tcproutes.gateway.networking.k8s.io", Some(ns)),
+        access("patch", "tcproutes.gateway.networking.k8s.io", Some(ns)),
+        access("delete", "tcproutes.gateway.networking.k8s.io", Some(ns)),
+        access("get", "gateways.gateway.networking.k8s.io", Some(ns)),
+        access("list", "gateways.gateway.networking.k8s.io", watch_ns),
+        access("watch", "gateways.gateway.networking.k8s.io", watch_ns),
         // Nodes: the address of a pod's node, for NodePort endpoints (cluster-scoped).
         access("get", "nodes", None),
         access("create", "leases.coordination.k8s.io", Some(lease_ns)),
@@ -663,6 +672,10 @@ fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
         access("list", "secrets", None),
         access("get", "secrets", Some(ns)),
         access("list", "secrets", Some(ns)),
+        // The user's Gateways and their listeners are the user's.
+        access("patch", "gateways.gateway.networking.k8s.io", Some(ns)),
+        access("update", "gateways.gateway.networking.k8s.io", Some(ns)),
+        access("delete", "gateways.gateway.networking.k8s.io", Some(ns)),
         // Cluster administration and privilege escalation.
         access("delete", "namespaces", None),
         access("create", "namespaces", None),

@@ -57,8 +57,14 @@ ClusterRole, or a Role in watchNamespace). The same as deploy/operator/rbac.yaml
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
-{{- /* To come with external access (deploy/operator/rbac.yaml lists them): Gateway API
-tcproutes, and the proxy's deployments, serviceaccounts, roles and rolebindings. */}}
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["tcproutes"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["gateways"]
+  verbs: ["get", "list", "watch"]
+{{- /* To come with external access (deploy/operator/rbac.yaml lists them): the proxy's
+deployments, serviceaccounts, roles and rolebindings. */}}
 {{- end -}}
 
 {{/*

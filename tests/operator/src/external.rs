@@ -1,0 +1,361 @@
+//! What the external-access tests share: clusters with an `externalAccess` block, waiting
+//! for their external endpoints, and the checks a client outside Kubernetes makes through
+//! them (only external addresses in topology replies; writes through failovers).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _, Result};
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
+use redis::AsyncCommands;
+use serde_json::json;
+use shardgate_admin_client::{Client as Admin, Timeouts};
+use shardgate_crds::names::{labels, objects};
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_crds::NodeRef;
+use shardgate_harness::clients::spread_keys;
+use shardgate_kube_harness::{Fault, TestEnv};
+
+use crate::{cluster_client, condition, eventually, pod_addrs, valkey_cluster, wait_ready};
+
+/// `status.bootstrap` of `vc`, as addresses.
+pub fn bootstrap_seeds(vc: &ValkeyCluster) -> Result<Vec<SocketAddr>> {
+    let bootstrap = vc
+        .status
+        .as_ref()
+        .and_then(|s| s.bootstrap.clone())
+        .context("no bootstrap in status")?;
+    bootstrap
+        .split(',')
+        .map(|a| a.parse().with_context(|| format!("bootstrap {bootstrap}")))
+        .collect()
+}
+
+pub const FORM: Duration = Duration::from_secs(240);
+
+/// A `shards` x `replicas` cluster with a short node timeout (failovers in seconds).
+pub fn cluster(name: &str, shards: u32, replicas: u32) -> Result<ValkeyCluster> {
+    valkey_cluster(json!({
+        "apiVersion": "shardgate.io/v1alpha1",
+        "kind": "ValkeyCluster",
+        "metadata": { "name": name },
+        "spec": {
+            "shards": shards,
+            "replicas": replicas,
+            "image": "valkey/valkey:9.0",
+            "config": { "cluster-node-timeout": "2000", "maxmemory": "32mb" },
+        },
+    }))
+}
+
+/// Every node's view through the admin client: (shard, node) → (id, primary id, slots).
+pub async fn views(
+    addrs: &BTreeMap<NodeRef, std::net::SocketAddr>,
+) -> Result<BTreeMap<NodeRef, shardgate_admin_client::NodeLine>> {
+    let mut out = BTreeMap::new();
+    for (node, addr) in addrs {
+        let mut c = Admin::connect(*addr, Timeouts::default()).await?;
+        let me = c
+            .cluster_nodes()
+            .await?
+            .into_iter()
+            .find(|l| l.is_myself())
+            .context("no myself line")?;
+        out.insert(*node, me);
+    }
+    Ok(out)
+}
+
+/// A writer that keeps every acknowledged key and counts its errors, until `stop`.
+pub fn writer(
+    mut conn: redis::cluster_async::ClusterConnection,
+    prefix: &'static str,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<(Vec<String>, u32)> {
+    tokio::spawn(async move {
+        let (mut acked, mut errors) = (Vec::new(), 0u32);
+        let mut i = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let key = format!("{prefix}:{i}");
+            match conn.set::<_, _, ()>(&key, i).await {
+                Ok(()) => acked.push(key),
+                Err(_) => errors += 1,
+            }
+            i += 1;
+        }
+        (acked, errors)
+    })
+}
+
+/// A `shards` x `replicas` cluster (as [`cluster`]) with `externalAccess` set to `external`.
+pub fn external_cluster(
+    name: &str,
+    shards: u32,
+    replicas: u32,
+    external: serde_json::Value,
+) -> Result<ValkeyCluster> {
+    let mut vc = cluster(name, shards, replicas)?;
+    vc.spec.external_access = Some(serde_json::from_value(external)?);
+    Ok(vc)
+}
+
+/// Waits until `name` is Ready and ExternalAccessReady for its current generation.
+pub async fn wait_external_ready(client: &Client, ns: &str, name: &str) -> Result<ValkeyCluster> {
+    let api = Api::<ValkeyCluster>::namespaced(client.clone(), ns);
+    eventually(
+        &format!("ValkeyCluster {name} Ready and ExternalAccessReady"),
+        FORM,
+        || async {
+            let vc = api.get(name).await?;
+            let observed = vc.status.as_ref().and_then(|s| s.observed_generation);
+            ensure!(
+                observed == vc.metadata.generation,
+                "observed generation {observed:?} of {:?}",
+                vc.metadata.generation
+            );
+            for c in ["Ready", "ExternalAccessReady"] {
+                let got = condition(&vc, c);
+                ensure!(got.as_ref().is_some_and(|c| c.0 == "True"), "{c}: {got:?}");
+            }
+            // Settled: every pod runs with what it is to announce.
+            let progressing = condition(&vc, "Progressing");
+            ensure!(
+                progressing.as_ref().is_some_and(|c| c.0 == "False"),
+                "Progressing: {progressing:?}"
+            );
+            Ok(vc)
+        },
+    )
+    .await
+}
+
+/// The external Services of `cluster`, by name.
+pub async fn external_services(
+    client: &Client,
+    ns: &str,
+    cluster: &str,
+) -> Result<BTreeMap<String, Service>> {
+    let sel = format!(
+        "{}={cluster},{}={}",
+        labels::INSTANCE,
+        labels::COMPONENT,
+        labels::COMPONENT_EXTERNAL
+    );
+    let list = Api::<Service>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&sel))
+        .await?;
+    Ok(list.into_iter().map(|s| (s.name_any(), s)).collect())
+}
+
+/// Every `host:port` a CLUSTER SLOTS reply names.
+pub fn slot_addresses(reply: &redis::Value) -> Result<Vec<String>> {
+    let text = |v: &redis::Value| -> Option<String> {
+        match v {
+            redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        }
+    };
+    let redis::Value::Array(ranges) = reply else {
+        bail!("CLUSTER SLOTS: {reply:?}");
+    };
+    let mut out = Vec::new();
+    for range in ranges {
+        let redis::Value::Array(items) = range else {
+            bail!("a slot range: {range:?}");
+        };
+        for node in items.iter().skip(2) {
+            let redis::Value::Array(fields) = node else {
+                bail!("a node entry: {node:?}");
+            };
+            let host = fields.first().and_then(text).context("no host")?;
+            let port = match fields.get(1) {
+                Some(redis::Value::Int(p)) => *p,
+                other => bail!("port {other:?}"),
+            };
+            out.push(format!("{host}:{port}"));
+        }
+    }
+    Ok(out)
+}
+
+/// A cluster client seeded with `status.bootstrap` only does `keys` SET/GET, and CLUSTER
+/// SLOTS asked through the first bootstrap address names only `status.externalEndpoints`
+/// (no pod address).
+pub async fn only_external_addresses(
+    client: &Client,
+    ns: &str,
+    status: &shardgate_crds::ValkeyClusterStatus,
+    keys: usize,
+) -> Result<()> {
+    let external_addrs: std::collections::BTreeSet<String> = status
+        .external_endpoints
+        .iter()
+        .map(|e| e.address())
+        .collect();
+    let bootstrap = status.bootstrap.clone().context("no bootstrap")?;
+    let seeds: Vec<std::net::SocketAddr> = bootstrap
+        .split(',')
+        .map(|a| a.parse().with_context(|| format!("bootstrap {bootstrap}")))
+        .collect::<Result<_>>()?;
+    let mut conn = cluster_client(seeds.iter().copied()).await?;
+    let keys = spread_keys(keys, "ext");
+    for k in &keys {
+        let _: () = conn.set(k, k).await?;
+    }
+    for k in &keys {
+        let v: String = conn.get(k).await?;
+        ensure!(&v == k, "{k} read back {v}");
+    }
+    let pods = pod_addrs(client, ns, "vc").await?;
+    let pod_ips: std::collections::BTreeSet<String> =
+        pods.values().map(|a| a.ip().to_string()).collect();
+    let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
+        .get_multiplexed_async_connection()
+        .await?;
+    let slots: redis::Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut direct)
+        .await?;
+    let named = slot_addresses(&slots)?;
+    ensure!(
+        named.len() >= status.external_endpoints.len(),
+        "CLUSTER SLOTS names {named:?}"
+    );
+    for a in &named {
+        ensure!(
+            external_addrs.contains(a),
+            "CLUSTER SLOTS names {a}: not external ({external_addrs:?})"
+        );
+        ensure!(
+            !pod_ips.iter().any(|ip| a.starts_with(&format!("{ip}:"))),
+            "CLUSTER SLOTS names the pod address {a}"
+        );
+    }
+    // CLUSTER NODES and CLUSTER SHARDS, asked the same way, name the same addresses.
+    let mut admin = Admin::connect(seeds[0], Timeouts::default()).await?;
+    let lines = admin.cluster_nodes().await?;
+    ensure!(
+        lines.len() == external_addrs.len(),
+        "CLUSTER NODES: {lines:?}"
+    );
+    for l in &lines {
+        let a = format!("{}:{}", l.ip, l.port);
+        ensure!(
+            external_addrs.contains(&a),
+            "CLUSTER NODES names {a}: not external ({external_addrs:?})"
+        );
+    }
+    for shard in admin.cluster_shards().await? {
+        for n in &shard.nodes {
+            let a = format!("{}:{}", n.ip, n.port.unwrap_or(0));
+            ensure!(
+                external_addrs.contains(&a),
+                "CLUSTER SHARDS names {a}: not external ({external_addrs:?})"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Writes through a cluster client seeded with `seeds` while shard 1 fails over by hand
+/// (`CLUSTER FAILOVER`) and shard 2's primary is killed (stopped, then restarted): bounds the
+/// failed writes, the killed primary's stall and its unreplicated tail, and requires the
+/// graceful failover to lose nothing. `label` names the path in the printed report.
+pub async fn failovers_under_load(env: &TestEnv, seeds: &[SocketAddr], label: &str) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writes = writer(
+        cluster_client(seeds.iter().copied()).await?,
+        "fo",
+        stop.clone(),
+    );
+    let addrs = pod_addrs(client, ns, "vc").await?;
+    let role = |addr: std::net::SocketAddr| async move {
+        let mut c = Admin::connect(addr, Timeouts::default()).await?;
+        let me = c.cluster_nodes().await?.into_iter().find(|l| l.is_myself());
+        Ok::<bool, anyhow::Error>(me.is_some_and(|l| l.is_primary()))
+    };
+
+    // A manual failover of shard 1 to its replica, as an administrator runs it.
+    let before = views(&addrs).await?;
+    let (&replica, _) = before
+        .iter()
+        .find(|(n, l)| n.shard.0 == 1 && !l.is_primary())
+        .context("shard 1's replica")?;
+    let mut admin = Admin::connect(addrs[&replica], Timeouts::default()).await?;
+    admin.command(["CLUSTER", "FAILOVER"]).await?;
+    eventually("the manual failover", Duration::from_secs(60), || async {
+        ensure!(
+            role(addrs[&replica]).await?,
+            "node {replica} is not primary yet"
+        );
+        Ok(())
+    })
+    .await?;
+
+    // A killed primary (shard 2): its replica takes over after the node timeout (2 s).
+    let (&victim, _) = before
+        .iter()
+        .find(|(n, l)| n.shard.0 == 2 && l.is_primary())
+        .context("shard 2's primary")?;
+    let heir = NodeRef::new(2, 1 - victim.node.0);
+    let pod = format!("{}-0", objects::node("vc", victim));
+    let killed = Instant::now();
+    cp.agent().fault(ns, &pod, Fault::Stop).await?;
+    eventually(
+        "the killed primary's replica takes over",
+        Duration::from_secs(60),
+        || async {
+            ensure!(role(addrs[&heir]).await?, "node {heir} is not primary yet");
+            Ok(())
+        },
+    )
+    .await?;
+    let stall = killed.elapsed();
+    ensure!(
+        stall < Duration::from_secs(20),
+        "shard 2 had no primary for {stall:?}"
+    );
+    cp.agent().fault(ns, &pod, Fault::Restart).await?;
+    wait_ready(client, ns, "vc", FORM).await?;
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (acked, errors) = writes.await?;
+    ensure!(
+        acked.len() > 100,
+        "only {} writes acknowledged",
+        acked.len()
+    );
+    ensure!(
+        errors <= acked.len() as u32 / 10 + 50,
+        "{errors} failed writes for {} acknowledged",
+        acked.len()
+    );
+    // A killed primary may lose its unreplicated tail (asynchronous replication); count it.
+    let mut conn = cluster_client(seeds.iter().copied()).await?;
+    let mut lost = Vec::new();
+    for key in &acked {
+        let v: Option<String> = conn.get(key).await?;
+        if v.is_none() {
+            lost.push(key.clone());
+        }
+    }
+    eprintln!(
+        "{label} failovers: {} writes acknowledged, {errors} failed, {} lost (the killed \
+         primary's unreplicated tail), shard 2 without a primary for {stall:?}",
+        acked.len(),
+        lost.len()
+    );
+    ensure!(lost.len() <= 20, "acknowledged writes lost: {lost:?}");
+    // The manual failover is graceful: nothing of shard 1 (slots 5461-10922) is lost.
+    let graceful: Vec<&String> = lost
+        .iter()
+        .filter(|k| (5461..=10922).contains(&shardgate_harness::valkey::key_slot(k.as_bytes())))
+        .collect();
+    ensure!(graceful.is_empty(), "the manual failover lost {graceful:?}");
+    Ok(())
+}

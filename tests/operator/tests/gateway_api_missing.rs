@@ -1,0 +1,116 @@
+//! The operator on an API server without Gateway API (its CRDs not installed): a cluster
+//! that asks for a gateway still runs, and is told what is missing once, not on every
+//! reconcile. Its own control plane (the other suites install Gateway API).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use serde_json::json;
+use shardgate_crds::names::labels;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_kube_harness::{Options, TestEnv};
+use shardgate_operator_e2e::external::{external_cluster, FORM};
+use shardgate_operator_e2e::{condition, create, eventually, wait_ready, Operator};
+
+fn main() -> ExitCode {
+    let options = Options {
+        without_gateway_api: true,
+        ..Default::default()
+    };
+    let Some(suite) = shardgate_operator_e2e::suite_with(options) else {
+        return ExitCode::FAILURE;
+    };
+    suite
+        .timeout(Duration::from_secs(300))
+        .test(
+            "without_gateway_api_a_gateway_cluster_runs_and_is_warned_once",
+            warned_once,
+        )
+        .run()
+}
+
+async fn warned_once(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    let external = json!({
+        "enabled": true,
+        "mode": "announce",
+        "gateway": { "gatewayRef": { "name": "gw" }, "basePort": 31000 },
+    });
+    create(&client, &ns, &external_cluster("vc", 1, 1, external)?).await?;
+    // The cluster itself does not need Gateway API.
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    let api = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
+    eventually("GatewayReady False", Duration::from_secs(60), || async {
+        let vc = api.get("vc").await?;
+        let gw = condition(&vc, "GatewayReady");
+        ensure!(
+            gw.as_ref().is_some_and(|(s, reason, message)| s == "False"
+                && reason == "GatewayAPIUnavailable"
+                && message.contains("gateway.networking.k8s.io")),
+            "GatewayReady: {gw:?}"
+        );
+        let ext = condition(&vc, "ExternalAccessReady");
+        ensure!(
+            ext.as_ref().is_some_and(|(s, ..)| s == "False"),
+            "ExternalAccessReady: {ext:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    // The Services a gateway would route to are there, ClusterIP (gateway's default).
+    let services = Api::<Service>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels(&format!(
+            "{}=vc,{}={}",
+            labels::INSTANCE,
+            labels::COMPONENT,
+            labels::COMPONENT_EXTERNAL
+        )))
+        .await?;
+    ensure!(services.items.len() == 1, "{:?}", services.items);
+    for s in &services {
+        let t = s.spec.as_ref().and_then(|s| s.type_.clone());
+        ensure!(t.as_deref() == Some("ClusterIP"), "{t:?}");
+    }
+
+    // More reconciles (each a change to the object), and still one warning.
+    for i in 0..3 {
+        let before = operator.finished_reconciles();
+        api.patch(
+            "vc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "annotations": { "touch": i.to_string() } } })),
+        )
+        .await?;
+        eventually("a reconcile", Duration::from_secs(60), || async {
+            ensure!(operator.finished_reconciles() > before, "none yet");
+            Ok(())
+        })
+        .await?;
+    }
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+    let warnings: Vec<_> = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("GatewayAPIUnavailable"))
+        .collect();
+    ensure!(warnings.len() == 1, "{warnings:?}");
+    // Not one event repeated as a series either.
+    ensure!(
+        warnings[0].series.as_ref().is_none_or(|s| s.count <= 1),
+        "{:?}",
+        warnings[0].series
+    );
+    ensure!(
+        warnings[0].type_.as_deref() == Some("Warning"),
+        "{:?}",
+        warnings[0]
+    );
+    operator.stop().await;
+    Ok(())
+}
