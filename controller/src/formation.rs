@@ -184,7 +184,15 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
                 "node {node} at {addr}: CLUSTER NODES has no myself line"
             )));
         };
-        let shown = plan.announced.get(&node).map_or(addr, |a| a.shown(addr));
+        // Where the others are to show it: what it shows itself (its client address,
+        // announced by flag or set at run time, which a change of mode can leave behind
+        // until the pod rolls); else what its flags say.
+        let own = view
+            .iter()
+            .find(|l| l.is_myself())
+            .and_then(|l| Some(SocketAddr::new(l.ip.parse().ok()?, l.port)));
+        let shown =
+            own.unwrap_or_else(|| plan.announced.get(&node).map_or(addr, |a| a.shown(addr)));
         seen.push(Seen {
             node,
             addr,

@@ -79,14 +79,22 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     // allocated to them (NodePorts).
     let ea = external::announce_mode(vc);
     let (exposures, removed) = external::services::apply_services(vc, ctx, ea).await?;
-    for svc in &removed {
-        let note = format!("deleted external Service {svc}: no node of the spec uses it");
+    // One event per reconcile: the recorder folds events of one reason into a series that
+    // keeps only the first note.
+    if !removed.is_empty() {
+        let note = format!(
+            "deleted external Services {}: no node of the spec uses them",
+            removed.join(", ")
+        );
         publish(ctx, vc, EventType::Normal, "ExternalServiceRemoved", &note).await;
     }
     // Gateway mode: a TCPRoute per node to those Services (routes no longer needed go).
     let (routing, removed) = external::gateway::apply_routes(vc, ctx, ea, &exposures).await?;
-    for route in &removed {
-        let note = format!("deleted TCPRoute {route}: no node of the spec uses it");
+    if !removed.is_empty() {
+        let note = format!(
+            "deleted TCPRoutes {}: no node of the spec uses them",
+            removed.join(", ")
+        );
         publish(ctx, vc, EventType::Normal, "TCPRouteRemoved", &note).await;
     }
     if let Some(r) = routing
