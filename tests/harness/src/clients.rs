@@ -23,6 +23,39 @@ pub fn cli(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// Runs `redis-cli args...` with `commands` on its stdin, one per line, as a user pipes a
+/// script into it; its stdout lines, or an error with its stderr.
+pub fn cli_script(args: &[&str], commands: &[String]) -> Result<Vec<String>> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(redis_cli()?)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running redis-cli")?;
+    let mut script = commands.join("\n");
+    script.push('\n');
+    // Written from a thread: redis-cli answers while it reads, and a full stdout pipe would
+    // otherwise stop both.
+    let mut stdin = child.stdin.take().context("redis-cli's stdin")?;
+    let writer = std::thread::spawn(move || stdin.write_all(script.as_bytes()));
+    let out = child.wait_with_output().context("waiting for redis-cli")?;
+    writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the stdin writer panicked"))?
+        .context("writing redis-cli's stdin")?;
+    ensure!(
+        out.status.success(),
+        "redis-cli {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect())
+}
+
 /// A cluster connection that knows only `127.0.0.1:<entry>`; patient enough to ride out a
 /// failover (retries, short timeouts).
 pub async fn cluster_client(entry: u16) -> Result<ClusterConnection> {

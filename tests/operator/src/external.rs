@@ -16,7 +16,7 @@ use shardgate_admin_client::{Client as Admin, Timeouts};
 use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
-use shardgate_harness::clients::spread_keys;
+use shardgate_harness::clients::{cli_script, spread_keys};
 use shardgate_kube_harness::{Fault, TestEnv};
 
 use crate::{cluster_client, condition, eventually, pod_addrs, valkey_cluster, wait_ready};
@@ -357,5 +357,33 @@ pub async fn failovers_under_load(env: &TestEnv, seeds: &[SocketAddr], label: &s
         .filter(|k| (5461..=10922).contains(&shardgate_harness::valkey::key_slot(k.as_bytes())))
         .collect();
     ensure!(graceful.is_empty(), "the manual failover lost {graceful:?}");
+    Ok(())
+}
+
+/// `redis-cli -c` started at `seed` only, with a script of `n` SETs to keys spread over
+/// every slot and then their `n` GETs on stdin: every SET answered OK, every GET its value
+/// (the redirects it follows are the cluster's own MOVED replies).
+pub fn redis_cli_set_get(seed: SocketAddr, n: usize) -> Result<()> {
+    let keys = spread_keys(n, "cli");
+    let mut script: Vec<String> = keys.iter().map(|k| format!("SET {k} {k}")).collect();
+    script.extend(keys.iter().map(|k| format!("GET {k}")));
+    let (host, port) = (seed.ip().to_string(), seed.port().to_string());
+    let lines = cli_script(&["-c", "-h", &host, "-p", &port], &script)?;
+    // Redirect notices, if this redis-cli prints them, are not replies.
+    let replies: Vec<&String> = lines
+        .iter()
+        .filter(|l| !l.starts_with("-> Redirected"))
+        .collect();
+    ensure!(
+        replies.len() == 2 * n,
+        "{} replies to {} commands; first: {:?}",
+        replies.len(),
+        2 * n,
+        replies.first()
+    );
+    for (i, k) in keys.iter().enumerate() {
+        ensure!(replies[i] == "OK", "SET {k}: {}", replies[i]);
+        ensure!(replies[n + i] == k, "GET {k}: {}", replies[n + i]);
+    }
     Ok(())
 }

@@ -852,6 +852,64 @@ async fn plain_manifests_apply(env: TestEnv) -> Result<()> {
         Some(env.ns.as_str()),
         "deploy/samples/valkeycluster.yaml",
     )?;
+    // The gateway sample: the user's Gateway and a cluster routed through it.
+    let gateway_sample = read("deploy/samples/valkeycluster-gateway.yaml")?;
+    dry_run(
+        &env.cp,
+        &gateway_sample,
+        Some(env.ns.as_str()),
+        "deploy/samples/valkeycluster-gateway.yaml",
+    )?;
+    let mut gateway_listeners = Vec::new();
+    let mut gateway_vc = None;
+    for doc in serde_yaml::Deserializer::from_str(&gateway_sample) {
+        let v = serde_json::Value::deserialize(doc).context("the gateway sample")?;
+        match v["kind"].as_str() {
+            Some("Gateway") => {
+                gateway_listeners = v["spec"]["listeners"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            }
+            Some("ValkeyCluster") => gateway_vc = Some(serde_json::from_value::<ValkeyCluster>(v)?),
+            other => bail!("the gateway sample has a {other:?}"),
+        }
+    }
+    let gateway_vc = gateway_vc.context("no ValkeyCluster in the gateway sample")?;
+    gateway_vc
+        .spec
+        .validate()
+        .map_err(|e| anyhow!("the gateway sample: {e}"))?;
+    // The Gateway declares exactly the listeners the cluster's routes expect.
+    let g = gateway_vc
+        .spec
+        .external_access()
+        .and_then(|ea| ea.gateway.clone())
+        .context("the gateway sample has no gateway")?;
+    let layout = gateway_vc.spec.layout(g.base_port)?;
+    let expected: Vec<(String, i64)> = gateway_vc
+        .spec
+        .node_refs()
+        .map(|n| {
+            let flat = layout.flat_index(n)?;
+            let port = i64::from(layout.port(n)?);
+            Ok((g.gateway_ref.section_for(flat).unwrap_or_default(), port))
+        })
+        .collect::<Result<_, shardgate_crds::PortError>>()?;
+    let declared: Vec<(String, i64)> = gateway_listeners
+        .iter()
+        .map(|l| {
+            (
+                l["name"].as_str().unwrap_or_default().to_string(),
+                l["port"].as_i64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    ensure!(
+        declared == expected,
+        "the sample Gateway's listeners {declared:?}, the routes' {expected:?}"
+    );
+
     let vc: ValkeyCluster = serde_yaml::from_str(&sample).context("the sample")?;
     vc.spec.validate().map_err(|e| anyhow!("the sample: {e}"))?;
     ensure!(

@@ -16,11 +16,10 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
-use shardgate_harness::clients::{cli, spread_keys};
 use shardgate_kube_harness::{free_loopback_ip, TestEnv, Traefik, TRAEFIK_CONTROLLER_NAME};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, external_cluster, external_services, failovers_under_load,
-    only_external_addresses, wait_external_ready, FORM,
+    only_external_addresses, redis_cli_set_get, wait_external_ready, FORM,
 };
 use shardgate_operator_e2e::{condition, create, eventually, Operator};
 
@@ -289,17 +288,9 @@ async fn routes_every_node(env: TestEnv) -> Result<()> {
         seeds.iter().all(|a| a.ip() == gw.ip()),
         "bootstrap {seeds:?}"
     );
-    let (host, port) = (seeds[0].ip().to_string(), seeds[0].port().to_string());
-    tokio::task::spawn_blocking(move || -> Result<()> {
-        for k in spread_keys(6, "cli") {
-            let set = cli(&["-c", "-h", &host, "-p", &port, "SET", &k, "v"])?;
-            ensure!(set == "OK", "SET {k}: {set}");
-            let get = cli(&["-c", "-h", &host, "-p", &port, "GET", &k])?;
-            ensure!(get == "v", "GET {k}: {get}");
-        }
-        Ok(())
-    })
-    .await??;
+    // redis-cli -c from one Gateway address: 10,000 SET/GET over every slot.
+    let seed = seeds[0];
+    tokio::task::spawn_blocking(move || redis_cli_set_get(seed, 10_000)).await??;
 
     // Nothing changed: more reconciles rewrite no route.
     let versions = |m: &BTreeMap<String, TcpRoute>| -> BTreeMap<String, String> {

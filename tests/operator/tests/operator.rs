@@ -18,11 +18,11 @@ use shardgate_admin_client::{Client as Admin, Timeouts};
 use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
-use shardgate_harness::clients::{cli, spread_keys};
+use shardgate_harness::clients::spread_keys;
 use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, cluster, external_cluster, external_services, failovers_under_load,
-    only_external_addresses, views, wait_external_ready, writer, FORM,
+    only_external_addresses, redis_cli_set_get, views, wait_external_ready, writer, FORM,
 };
 use shardgate_operator_e2e::{
     cluster_client, condition, create, eventually, pod_addrs, wait_ready, Operator,
@@ -843,18 +843,9 @@ async fn announce_nodeport_serves_external_clients(env: TestEnv) -> Result<()> {
     // SLOTS seen through a NodePort names only external addresses.
     only_external_addresses(&client, &ns, &status, 10_000).await?;
 
-    // redis-cli -c through one NodePort: keys on every shard, followed by MOVED.
-    let (host, port) = (seeds[0].ip().to_string(), seeds[0].port().to_string());
-    tokio::task::spawn_blocking(move || -> Result<()> {
-        for k in spread_keys(6, "cli") {
-            let set = cli(&["-c", "-h", &host, "-p", &port, "SET", &k, "v"])?;
-            ensure!(set == "OK", "SET {k}: {set}");
-            let get = cli(&["-c", "-h", &host, "-p", &port, "GET", &k])?;
-            ensure!(get == "v", "GET {k}: {get}");
-        }
-        Ok(())
-    })
-    .await??;
+    // redis-cli -c through one NodePort: 10,000 SET/GET over every slot, following MOVED.
+    let seed = seeds[0];
+    tokio::task::spawn_blocking(move || redis_cli_set_get(seed, 10_000)).await??;
     operator.stop().await;
     Ok(())
 }
