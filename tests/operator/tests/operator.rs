@@ -22,7 +22,8 @@ use shardgate_harness::clients::spread_keys;
 use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, cluster, external_cluster, external_services, failovers_under_load,
-    only_external_addresses, redis_cli_set_get, views, wait_external_ready, writer, FORM,
+    only_external_addresses, redis_cli_set_get, slot_addresses, views, wait_external_ready, writer,
+    FORM,
 };
 use shardgate_operator_e2e::{
     cluster_client, condition, create, eventually, pod_addrs, wait_ready, Operator,
@@ -85,6 +86,10 @@ fn main() -> ExitCode {
         .test(
             "announce_load_balancer_services_announce_their_ingress",
             announce_load_balancer,
+        )
+        .test(
+            "announce_hostname_endpoints_reach_a_client_that_resolves_them_itself",
+            announce_hostnames,
         )
         .run()
 }
@@ -1207,6 +1212,136 @@ async fn announce_failovers_under_load(env: TestEnv) -> Result<()> {
     .await?;
     let vc = wait_external_ready(&env.client, &env.ns, "vc").await?;
     failovers_under_load(&env, &bootstrap_seeds(&vc)?, "announce").await?;
+    operator.stop().await;
+    Ok(())
+}
+
+/// Resolves the names `status.externalEndpoints` gives, as a client's own resolver (or DNS
+/// published by external-dns) would; counts the names it was asked for.
+#[derive(Clone)]
+struct StatusResolver {
+    names: std::sync::Arc<BTreeMap<String, std::net::IpAddr>>,
+    asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl redis::io::AsyncDNSResolver for StatusResolver {
+    fn resolve<'a, 'b: 'a>(
+        &'a self,
+        host: &'b str,
+        port: u16,
+    ) -> redis::RedisFuture<'a, Box<dyn Iterator<Item = std::net::SocketAddr> + Send + 'a>> {
+        Box::pin(async move {
+            let ip = match host.parse::<std::net::IpAddr>() {
+                Ok(ip) => ip,
+                Err(_) => {
+                    let ip =
+                        self.names.get(host).copied().ok_or_else(|| {
+                            std::io::Error::other(format!("{host} is not in status"))
+                        })?;
+                    self.asked
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    ip
+                }
+            };
+            let it: Box<dyn Iterator<Item = std::net::SocketAddr> + Send> =
+                Box::new(std::iter::once(std::net::SocketAddr::new(ip, port)));
+            Ok(it)
+        })
+    }
+}
+
+/// `preferredEndpointType: hostname`: topology replies and redirects name each node by its
+/// hostname (`<cluster>-<s>-<n>.<domain>`) and external port; a cluster client whose
+/// resolver knows only those names does 10,000 SET/GET.
+async fn announce_hostnames(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let node_ip = std::net::IpAddr::from(cp.agent().node_ip());
+    let operator = Operator::start(&client, &ns);
+    let domain = "valkey.example.test";
+    let external = json!({
+        "enabled": true,
+        "advertisedHost": node_ip.to_string(),
+        "domain": domain,
+        "preferredEndpointType": "hostname",
+    });
+    create(&client, &ns, &external_cluster("vc", 2, 1, external)?).await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    let status = vc.status.clone().context("status")?;
+    ensure!(status.external_endpoints.len() == 4, "{status:?}");
+    // hostname:port of every node, from status.
+    let mut by_name = BTreeMap::new();
+    for ep in &status.external_endpoints {
+        let node = NodeRef::new(ep.shard as u32, ep.node as u32);
+        let want = format!("vc-{node}.{domain}");
+        ensure!(ep.hostname.as_deref() == Some(want.as_str()), "{ep:?}");
+        by_name.insert(want, ep.port);
+    }
+    let seeds = bootstrap_seeds(&vc)?;
+
+    // CLUSTER SLOTS names every node by hostname, at its external port; MOVED does too.
+    let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
+        .get_multiplexed_async_connection()
+        .await?;
+    let slots: redis::Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut direct)
+        .await?;
+    let named = slot_addresses(&slots)?;
+    ensure!(named.len() == 4, "CLUSTER SLOTS names {named:?}");
+    for a in &named {
+        let (host, port) = a.rsplit_once(':').context("host:port")?;
+        ensure!(
+            by_name.get(host).map(|p| p.to_string()).as_deref() == Some(port),
+            "CLUSTER SLOTS names {a}, not a node's hostname and port ({by_name:?})"
+        );
+    }
+    let mut raw = Admin::connect(seeds[0], Timeouts::default()).await?;
+    let mut moved = Vec::new();
+    for k in spread_keys(8, "mv") {
+        match raw.command(["GET", k.as_str()]).await {
+            Ok(_) => {}
+            Err(e) => moved.push(
+                e.server_message()
+                    .context("not an error reply")?
+                    .to_string(),
+            ),
+        }
+    }
+    ensure!(!moved.is_empty(), "no key of another shard was redirected");
+    for e in &moved {
+        let target = e.split_whitespace().nth(2).context("MOVED target")?;
+        let (host, port) = target.rsplit_once(':').context("host:port")?;
+        ensure!(
+            e.starts_with("MOVED ")
+                && by_name.get(host).map(|p| p.to_string()).as_deref() == Some(port),
+            "{e}"
+        );
+    }
+
+    // A client that resolves the names itself.
+    let resolver = StatusResolver {
+        names: std::sync::Arc::new(by_name.keys().map(|n| (n.clone(), node_ip)).collect()),
+        asked: Default::default(),
+    };
+    let urls: Vec<String> = seeds.iter().map(|a| format!("redis://{a}")).collect();
+    let mut conn = redis::cluster::ClusterClientBuilder::new(urls)
+        .async_dns_resolver(resolver.clone())
+        .retries(30)
+        .connection_timeout(Duration::from_secs(2))
+        .response_timeout(Duration::from_secs(2))
+        .build()?
+        .get_async_connection()
+        .await?;
+    let keys = spread_keys(10_000, "host");
+    for k in &keys {
+        let _: () = conn.set(k, k).await?;
+    }
+    for k in &keys {
+        let v: String = conn.get(k).await?;
+        ensure!(&v == k, "{k} read back {v}");
+    }
+    let asked = resolver.asked.load(std::sync::atomic::Ordering::Relaxed);
+    ensure!(asked > 0, "the client never resolved a node's hostname");
     operator.stop().await;
     Ok(())
 }
