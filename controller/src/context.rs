@@ -12,6 +12,9 @@ use crate::metrics::Metrics;
 /// The field manager of every object the operator applies (server-side apply).
 pub const FIELD_MANAGER: &str = "shardgate-operator";
 
+/// The proxy image of this release (`--proxy-image`'s default).
+pub const DEFAULT_PROXY_IMAGE: &str = "ghcr.io/shardgate/shardgate-proxy:0.1.0";
+
 /// The one dependency seam of the reconciler.
 #[derive(Clone)]
 pub struct Context {
@@ -26,6 +29,8 @@ pub struct Context {
     pub gateway_api: GatewayApi,
     /// The clusters already told that Gateway API is missing (one Event each).
     pub gateway_warned: crate::reconcile::Warned,
+    /// The proxy's image in proxy mode, unless a cluster names its own.
+    pub proxy_image: String,
 }
 
 impl Context {
@@ -43,6 +48,7 @@ impl Context {
             backoff: Default::default(),
             gateway_api: GatewayApi::Missing("not looked for yet".into()),
             gateway_warned: Default::default(),
+            proxy_image: DEFAULT_PROXY_IMAGE.into(),
         }
     }
 }

@@ -67,6 +67,11 @@ struct Args {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+
+    /// The shardgate-proxy image run in front of clusters in proxy mode
+    /// (`externalAccess.mode: proxy`), unless a cluster sets `proxy.image`.
+    #[arg(long, value_name = "IMAGE", env = "SHARDGATE_PROXY_IMAGE", default_value = shardgate_controller::context::DEFAULT_PROXY_IMAGE)]
+    proxy_image: String,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -123,11 +128,9 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
         Arc::new(registry),
     ));
     let id = identity(&args);
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        metrics.clone(),
-        Some(id.clone()),
-    ));
+    let mut ctx = Context::new(client.clone(), metrics.clone(), Some(id.clone()));
+    ctx.proxy_image = args.proxy_image.clone();
+    let ctx = Arc::new(ctx);
     let scope = Scope {
         namespace: args.namespace.clone(),
     };

@@ -13,7 +13,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use gateway_api::experimental::gateways::Gateway;
 use gateway_api::experimental::tcproutes::TcpRoute;
-use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
@@ -127,6 +127,8 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         hashes.insert(node, node_hash);
     }
     pdb::apply_budget(vc, ctx).await?;
+    // Proxy mode: the proxy in front (removed again when the mode or the block goes).
+    let proxied = external::proxy::apply_proxy(vc, ctx).await?;
 
     let mut pods = pods::observe(vc, ctx).await?;
     for pod in &pods.unlabelled {
@@ -221,8 +223,11 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         }
     }
 
-    let external = match ea {
-        Some(ea) => {
+    let external = match (ea, &proxied, external::proxy::proxy_mode(vc)) {
+        (_, Some(exposed), Some((pea, proxy))) => Some(external::proxy::observe(
+            vc, pea, proxy, exposed, &progress,
+        )?),
+        (Some(ea), _, _) => {
             let mut ext = external::endpoints::observe(vc, ea, &exposures, &node_hosts, &progress)?;
             // Nodes are not reachable through a Gateway that lacks their listeners.
             if let Some(r) = &routing {
@@ -230,7 +235,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             }
             Some(ext)
         }
-        None => None,
+        _ => None,
     };
 
     let was_ready = status::condition(vc, "Ready").is_some_and(|c| c.status == "True");
@@ -369,6 +374,8 @@ pub async fn run(
     .owns(scope.api::<StatefulSet>(&client), managed.clone())
     .owns(scope.api::<ConfigMap>(&client), managed.clone())
     .owns(scope.api::<Service>(&client), managed.clone())
+    // Proxy mode: the proxy's ready pods are in status.
+    .owns(scope.api::<Deployment>(&client), managed.clone())
     // Pods belong to the StatefulSets; their readiness and IPs matter to formation.
     .watches(scope.api::<Pod>(&client), managed.clone(), |pod: Pod| {
         let ns = pod.namespace()?;

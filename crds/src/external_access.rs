@@ -239,7 +239,16 @@ impl ExternalAccess {
     /// (never an empty string, which the API server defaults and every reconcile would
     /// then "fix" again).
     pub fn effective_external_traffic_policy(&self) -> Option<ExternalTrafficPolicy> {
-        match self.effective_service_type() {
+        self.effective_external_traffic_policy_for(self.effective_service_type())
+    }
+
+    /// As [`effective_external_traffic_policy`](Self::effective_external_traffic_policy),
+    /// for a Service of `service_type` (the proxy's has its own type).
+    pub fn effective_external_traffic_policy_for(
+        &self,
+        service_type: ServiceType,
+    ) -> Option<ExternalTrafficPolicy> {
+        match service_type {
             ServiceType::ClusterIP => None,
             ServiceType::NodePort | ServiceType::LoadBalancer => self.external_traffic_policy,
         }
@@ -344,6 +353,11 @@ pub struct ProxySpec {
     /// The proxy container's resources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+
+    /// The proxy's image; unset: the operator's `--proxy-image` (its own release's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub image: Option<String>,
 }
 
 impl ProxySpec {
@@ -357,6 +371,7 @@ impl ProxySpec {
             advertised_host: None,
             tls: None,
             resources: None,
+            image: None,
         }
     }
 }

@@ -15,6 +15,12 @@ pub mod labels {
     pub const COMPONENT: &str = "shardgate.io/component";
     /// [`COMPONENT`] of the Services external access makes.
     pub const COMPONENT_EXTERNAL: &str = "external";
+
+    /// The label selector of everything the operator makes for `cluster`: its pods among
+    /// them (what the proxy's Kubernetes source watches).
+    pub fn cluster_selector(cluster: &str) -> String {
+        format!("{MANAGED_BY}={MANAGED_BY_VALUE},{INSTANCE}={cluster}")
+    }
 }
 
 /// The names of the objects the operator makes for a cluster, and the node names Valkey

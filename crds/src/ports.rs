@@ -11,6 +11,10 @@ use std::str::FromStr;
 /// The highest TCP port.
 pub const MAX_PORT: u32 = 65535;
 
+/// The client port Valkey listens on in the operator's pods (their container port
+/// `vk-<s>-<n>`): where the proxy's Kubernetes source dials a pod.
+pub const CLIENT_PORT: u16 = 6379;
+
 /// Why a port layout or a node position is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PortError {

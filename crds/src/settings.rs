@@ -47,8 +47,12 @@ fn human(d: std::time::Duration) -> humantime::Duration {
 /// private network (Kubernetes, a VPC) reach every node through one address.
 ///
 /// Each node gets a listener at basePort + flatIndex, where
-/// flatIndex = shard * portsPerShard + node. The route table comes from a YAML file (--routes), reloaded when it changes, or
-/// is discovered from a seed node with CLUSTER SHARDS (--seed), refreshed periodically.
+/// flatIndex = shard * portsPerShard + node. The route table comes from one of:
+///   --routes: a YAML file, reloaded when it changes;
+///   --seed: discovered from a seed node with CLUSTER SHARDS, refreshed periodically;
+///   --kubernetes: the pods of a ValkeyCluster, watched on the Kubernetes API (by the
+///     operator's labels and each pod's shard-index and node-index labels); a pod's new IP
+///     is routed within a second. The API is reached with $KUBECONFIG, else in-cluster.
 ///
 /// Cluster-aware clients follow the addresses Valkey hands out. Two ways keep them on the
 /// proxy:
@@ -62,6 +66,8 @@ fn human(d: std::time::Duration) -> humantime::Duration {
 /// Examples:
 ///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000 --rewrite --advertise-host 203.0.113.7
 ///   shardgate-proxy --routes routes.yaml
+///   shardgate-proxy --kubernetes valkey/vc --base-port 30000 --ports-per-shard 2 \
+///     --rewrite --advertise-host 203.0.113.7
 ///
 /// Route file:
 ///   basePort: 30000
@@ -92,7 +98,7 @@ fn human(d: std::time::Duration) -> humantime::Duration {
     long_about,
     verbatim_doc_comment
 )]
-#[command(group(ArgGroup::new("source").required(true).args(["routes", "seed"])))]
+#[command(group(ArgGroup::new("source").required(true).args(["routes", "seed", "kubernetes"])))]
 #[serde(rename_all = "kebab-case")]
 pub struct ProxySettings {
     /// YAML route file; reloaded when its content changes (a bad new version is logged and
@@ -109,16 +115,37 @@ pub struct ProxySettings {
     #[arg(long, value_name = "HOST:PORT", requires = "base_port")]
     pub seed: Vec<Backend>,
 
-    /// With --seed: the listener port of shard 0, node 0.
+    /// Watch the pods of the ValkeyCluster CLUSTER in NAMESPACE: the pods with the
+    /// operator's labels (app.kubernetes.io/managed-by=shardgate,
+    /// app.kubernetes.io/instance=CLUSTER). A pod labelled shardgate.io/shard-index s and
+    /// shardgate.io/node-index n, with an IP and not being deleted, is node (s, n) at its
+    /// IP (port 6379, or its container port named vk-<s>-<n>); its listener is
+    /// basePort + s * portsPerShard + n. Needs get, list and watch on pods.
+    #[arg(
+        long,
+        value_name = "NAMESPACE/CLUSTER",
+        requires = "base_port",
+        value_parser = parse_kubernetes
+    )]
+    pub kubernetes: Option<String>,
+
+    /// With --kubernetes: a label selector ANDed with the cluster's (e.g.
+    /// "topology.kubernetes.io/zone=a"), to front only some of its pods.
+    #[arg(long, value_name = "SELECTOR", requires = "kubernetes")]
+    pub kube_selector: Option<String>,
+
+    /// With --seed or --kubernetes: the listener port of shard 0, node 0.
     #[arg(long, value_name = "PORT")]
     pub base_port: Option<u16>,
 
-    /// With --seed: ports reserved per shard (default: the largest shard's node count at
-    /// first discovery). Set it above the node count to leave room for more replicas.
+    /// With --seed or --kubernetes: ports reserved per shard (default: the largest shard's
+    /// node count at the first discovery, or the first table of pods). Set it above the node
+    /// count to leave room for more replicas.
     #[arg(long, value_name = "N")]
     pub ports_per_shard: Option<u32>,
 
-    /// With --seed: how often to ask the cluster for its topology.
+    /// With --seed: how often to ask the cluster for its topology; with --kubernetes: how
+    /// often the nodes are asked again for their ids and roles (the pods are watched).
     #[arg(long, value_name = "DURATION", default_value_t = human(defaults::REFRESH))]
     #[serde(serialize_with = "display")]
     pub refresh: humantime::Duration,
@@ -303,8 +330,25 @@ fn display<T: fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, 
     s.collect_str(v)
 }
 
+/// `--kubernetes`: `NAMESPACE/CLUSTER`, both parts non-empty.
+pub fn namespace_and_cluster(value: &str) -> Result<(&str, &str), String> {
+    match value.split_once('/') {
+        Some((ns, cluster)) if !ns.is_empty() && !cluster.is_empty() && !cluster.contains('/') => {
+            Ok((ns, cluster))
+        }
+        _ => Err(format!(
+            "{value:?}: expected NAMESPACE/CLUSTER (the ValkeyCluster's namespace and name)"
+        )),
+    }
+}
+
+fn parse_kubernetes(value: &str) -> Result<String, String> {
+    namespace_and_cluster(value).map(|_| value.to_string())
+}
+
 impl Default for ProxySettings {
-    /// Every flag at its default, and no source (set `routes` or `seed` before use).
+    /// Every flag at its default, and no source (set `routes`, `seed` or `kubernetes` before
+    /// use).
     fn default() -> Self {
         let command = Self::command().mut_group("source", |g| g.required(false));
         let parsed = command
@@ -332,6 +376,16 @@ impl ProxySettings {
     pub fn with_seeds(seeds: Vec<Backend>, base_port: u16) -> Self {
         ProxySettings {
             seed: seeds,
+            base_port: Some(base_port),
+            ..Self::default()
+        }
+    }
+
+    /// The pods of the ValkeyCluster `cluster` in `namespace`, every other setting at its
+    /// default.
+    pub fn with_kubernetes(namespace: &str, cluster: &str, base_port: u16) -> Self {
+        ProxySettings {
+            kubernetes: Some(format!("{namespace}/{cluster}")),
             base_port: Some(base_port),
             ..Self::default()
         }
@@ -404,7 +458,7 @@ mod tests {
         let err = ProxySettings::try_parse_from(["shardgate-proxy"]).unwrap_err();
         let text = err.to_string();
         assert!(
-            text.contains("--routes") && text.contains("--seed"),
+            text.contains("--routes") && text.contains("--seed") && text.contains("--kubernetes"),
             "{text}"
         );
     }
@@ -418,6 +472,9 @@ mod tests {
                 "10.0.0.5:6379".parse().unwrap(),
                 "valkey-0-0.valkey:6379".parse().unwrap(),
             ],
+            // One source at a time: the Kubernetes one is rendered below.
+            kubernetes: None,
+            kube_selector: None,
             base_port: Some(30000),
             ports_per_shard: Some(4),
             refresh: Duration::from_secs(3).into(),
@@ -474,6 +531,90 @@ mod tests {
 
         let file = ProxySettings::with_routes("/etc/shardgate/routes.yaml");
         assert_eq!(file.to_args(), ["--routes", "/etc/shardgate/routes.yaml"]);
+    }
+
+    #[test]
+    fn the_kubernetes_source_renders_and_parses_back() {
+        let kube = ProxySettings {
+            kube_selector: Some("topology.kubernetes.io/zone=a,tier!=canary".into()),
+            ports_per_shard: Some(2),
+            rewrite: true,
+            advertise_host: Some("203.0.113.7".into()),
+            ..ProxySettings::with_kubernetes("valkey", "vc", 31000)
+        };
+        let args = kube.to_args();
+        // Flags in their names' order (the renderer's JSON object is sorted).
+        assert_eq!(
+            args,
+            [
+                "--advertise-host",
+                "203.0.113.7",
+                "--base-port",
+                "31000",
+                "--kube-selector",
+                "topology.kubernetes.io/zone=a,tier!=canary",
+                "--kubernetes",
+                "valkey/vc",
+                "--ports-per-shard",
+                "2",
+                "--rewrite",
+            ]
+        );
+        let back = ProxySettings::try_parse_from(
+            std::iter::once("shardgate-proxy".to_string()).chain(args.clone()),
+        )
+        .unwrap_or_else(|e| panic!("{args:?} do not parse: {e}"));
+        assert_eq!(back, kube);
+        assert_eq!(namespace_and_cluster("valkey/vc"), Ok(("valkey", "vc")));
+    }
+
+    #[test]
+    fn the_kubernetes_source_is_one_of_three() {
+        let parse = |args: &[&str]| {
+            ProxySettings::try_parse_from(
+                std::iter::once("shardgate-proxy").chain(args.iter().copied()),
+            )
+            .map_err(|e| e.to_string())
+        };
+        for (args, want) in [
+            (&["--kubernetes", "ns/vc"][..], "--base-port"),
+            (
+                &["--kubernetes", "ns/vc", "--base-port", "1", "--routes", "r"][..],
+                "cannot be used with",
+            ),
+            (
+                &[
+                    "--kubernetes",
+                    "ns/vc",
+                    "--base-port",
+                    "1",
+                    "--seed",
+                    "10.0.0.1:6379",
+                ][..],
+                "cannot be used with",
+            ),
+            (
+                &["--kubernetes", "vc", "--base-port", "1"][..],
+                "NAMESPACE/CLUSTER",
+            ),
+            (
+                &["--kubernetes", "ns/", "--base-port", "1"][..],
+                "NAMESPACE/CLUSTER",
+            ),
+            (
+                &["--kubernetes", "a/b/c", "--base-port", "1"][..],
+                "NAMESPACE/CLUSTER",
+            ),
+            (
+                &["--routes", "r", "--kube-selector", "a=b"][..],
+                "--kubernetes",
+            ),
+        ] {
+            let err = parse(args).unwrap_err();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+        let ok = parse(&["--kubernetes", "ns/vc", "--base-port", "30000"]).unwrap();
+        assert_eq!(ok.kubernetes.as_deref(), Some("ns/vc"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The admin endpoints: `/metrics` (Prometheus text), `/healthz` (the process runs),
-//! `/readyz` (a route table is loaded, all its ports are bound, and not draining), and
-//! `/routes` (the table in force, as JSON, for people debugging).
+//! `/readyz` (a route table is loaded, all its ports are bound, and not draining; its body
+//! also says when the route source is failing, which keeps the table in force and the proxy
+//! ready), and `/routes` (the table in force, as JSON, for people debugging).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,13 +15,14 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::source::RouteRx;
+use crate::source::{HealthRx, RouteRx, SourceHealth};
 
 #[derive(Clone)]
 pub struct AdminState {
     pub registry: Arc<Registry>,
     pub routes: RouteRx,
     pub ready: Arc<AtomicBool>,
+    pub health: HealthRx,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -58,16 +60,39 @@ async fn metrics(State(s): State<AdminState>) -> Response {
 }
 
 async fn readyz(State(s): State<AdminState>) -> Response {
+    let failing = failing(&s.health.borrow());
     if s.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        let why = if s.routes.borrow().is_loaded() {
-            "not ready: listeners not all bound, or draining\n"
-        } else {
-            "not ready: no route table loaded yet\n"
+        let body = match failing {
+            // Ready all the same: the last table still routes, and dropping every proxy
+            // replica out of its Service because the API server is away would be worse.
+            Some(why) => format!(
+                "ready: serving route table version {} from the last good fetch; {why}\n",
+                s.routes.borrow().version
+            ),
+            None => "ready\n".to_string(),
         };
-        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+        (StatusCode::OK, body).into_response()
+    } else {
+        let mut why = if s.routes.borrow().is_loaded() {
+            "not ready: listeners not all bound, or draining".to_string()
+        } else {
+            "not ready: no route table loaded yet".to_string()
+        };
+        if let Some(f) = failing {
+            why = format!("{why}; {f}");
+        }
+        (StatusCode::SERVICE_UNAVAILABLE, why + "\n").into_response()
     }
+}
+
+/// "route source X failing for 3s: <error>", while it fails.
+fn failing(h: &SourceHealth) -> Option<String> {
+    let (error, since) = h.failing.as_ref()?;
+    Some(format!(
+        "route source {} failing for {}s: {error}",
+        h.source,
+        since.elapsed().as_secs()
+    ))
 }
 
 async fn routes(State(s): State<AdminState>) -> Response {

@@ -44,6 +44,11 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[cfg(feature = "kubernetes")]
+    #[error(transparent)]
+    Kubernetes(#[from] crate::source::kubernetes::KubeError),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// The proxy.
@@ -63,9 +68,10 @@ pub struct ProxyHandle {
 }
 
 impl Proxy {
-    /// Starts the proxy. A route file that does not load, or an admin port that cannot be
-    /// bound, is an error here; a seed that does not answer is not (the proxy keeps asking
-    /// and is not ready until one does).
+    /// Starts the proxy. A route file that does not load, an admin port that cannot be
+    /// bound, or no Kubernetes configuration for `--kubernetes`, is an error here; a seed or
+    /// an API server that does not answer is not (the proxy keeps asking and is not ready
+    /// until one does).
     pub async fn start(config: ProxyConfig) -> Result<ProxyHandle, StartError> {
         let config = config.clamped();
         let mut registry = Registry::default();
@@ -171,6 +177,34 @@ impl Proxy {
                 metrics.routes.source_started(source.name());
                 tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
             }
+            #[cfg(feature = "kubernetes")]
+            SourceConfig::Kubernetes {
+                namespace,
+                cluster,
+                selector,
+                base_port,
+                ports_per_shard,
+                refresh,
+            } => {
+                let source = crate::source::KubernetesSource::connect(
+                    namespace,
+                    cluster,
+                    selector.as_deref(),
+                    base_port,
+                    ports_per_shard,
+                    refresh,
+                    config.connect_timeout,
+                    resolver.clone(),
+                    config.rewrite,
+                )
+                .await?;
+                metrics.routes.source_started(source.name());
+                tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
+            }
+            #[cfg(not(feature = "kubernetes"))]
+            SourceConfig::Kubernetes { .. } => {
+                return Err(crate::config::ConfigError::KubernetesNotBuilt.into())
+            }
         }
 
         let connections = TaskTracker::new();
@@ -220,6 +254,7 @@ impl Proxy {
                 registry: Arc::new(registry),
                 routes: routes.clone(),
                 ready: ready.clone(),
+                health: publisher.health(),
             };
             // The admin server outlives the drain, so /metrics and /readyz answer during it.
             tasks.push(tokio::spawn(admin::serve(

@@ -54,6 +54,17 @@ pub enum SourceConfig {
         ports_per_shard: Option<u32>,
         refresh: Duration,
     },
+    /// The pods of a ValkeyCluster, watched on the Kubernetes API (feature `kubernetes`).
+    Kubernetes {
+        namespace: String,
+        cluster: String,
+        /// A label selector ANDed with the cluster's.
+        selector: Option<String>,
+        base_port: u16,
+        ports_per_shard: Option<u32>,
+        /// How often the nodes are asked again for their ids and roles.
+        refresh: Duration,
+    },
 }
 
 /// Everything the proxy needs to run.
@@ -90,10 +101,21 @@ pub struct ProxyConfig {
 /// Settings that contradict each other. The message names the flags.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("one of --routes or --seed is required")]
+    #[error("one of --routes, --seed or --kubernetes is required")]
     NoSource,
+    #[error("--routes, --seed and --kubernetes exclude each other: give one")]
+    SeveralSources,
     #[error("--seed needs --base-port")]
     SeedWithoutBasePort,
+    #[error("--kubernetes needs --base-port")]
+    KubernetesWithoutBasePort,
+    #[error("--kubernetes: {0}")]
+    BadKubernetesTarget(String),
+    #[error(
+        "--kubernetes: this shardgate-proxy was built without its `kubernetes` feature \
+         (build it with default features, or give the routes with --routes or --seed)"
+    )]
+    KubernetesNotBuilt,
     #[error("{0} needs --tls-port")]
     NeedsTlsPort(&'static str),
     #[error(
@@ -109,23 +131,50 @@ pub enum ConfigError {
 impl ProxyConfig {
     /// The configuration `settings` describe.
     pub fn from_settings(settings: &ProxySettings) -> Result<Self, ConfigError> {
-        let source = match (
-            &settings.routes,
-            settings.seed.is_empty(),
-            settings.base_port,
-        ) {
-            (Some(path), _, _) => SourceConfig::File {
-                path: path.clone(),
-                poll: *settings.routes_poll,
-            },
-            (None, false, Some(base_port)) => SourceConfig::Seed {
-                seeds: settings.seed.clone(),
-                base_port,
+        // The command line refuses this too; settings built in code are checked here.
+        let given = [
+            settings.routes.is_some(),
+            !settings.seed.is_empty(),
+            settings.kubernetes.is_some(),
+        ];
+        if given.iter().filter(|g| **g).count() > 1 {
+            return Err(ConfigError::SeveralSources);
+        }
+        let source = if let Some(target) = &settings.kubernetes {
+            if !cfg!(feature = "kubernetes") {
+                return Err(ConfigError::KubernetesNotBuilt);
+            }
+            let (namespace, cluster) = shardgate_crds::settings::namespace_and_cluster(target)
+                .map_err(ConfigError::BadKubernetesTarget)?;
+            SourceConfig::Kubernetes {
+                namespace: namespace.to_string(),
+                cluster: cluster.to_string(),
+                selector: settings.kube_selector.clone(),
+                base_port: settings
+                    .base_port
+                    .ok_or(ConfigError::KubernetesWithoutBasePort)?,
                 ports_per_shard: settings.ports_per_shard,
                 refresh: *settings.refresh,
-            },
-            (None, false, None) => return Err(ConfigError::SeedWithoutBasePort),
-            (None, true, _) => return Err(ConfigError::NoSource),
+            }
+        } else {
+            match (
+                &settings.routes,
+                settings.seed.is_empty(),
+                settings.base_port,
+            ) {
+                (Some(path), _, _) => SourceConfig::File {
+                    path: path.clone(),
+                    poll: *settings.routes_poll,
+                },
+                (None, false, Some(base_port)) => SourceConfig::Seed {
+                    seeds: settings.seed.clone(),
+                    base_port,
+                    ports_per_shard: settings.ports_per_shard,
+                    refresh: *settings.refresh,
+                },
+                (None, false, None) => return Err(ConfigError::SeedWithoutBasePort),
+                (None, true, _) => return Err(ConfigError::NoSource),
+            }
         };
         let idle = *settings.idle_timeout;
         Ok(ProxyConfig {
@@ -155,6 +204,9 @@ impl ProxyConfig {
             SourceConfig::Seed {
                 seeds, base_port, ..
             } => ProxySettings::with_seeds(seeds.clone(), *base_port),
+            // The settings only pick the defaults of the other fields: a file source's will
+            // do, and hold without the `kubernetes` feature too.
+            SourceConfig::Kubernetes { .. } => ProxySettings::with_routes("-"),
         };
         match Self::from_settings(&settings) {
             Ok(config) => ProxyConfig { source, ..config },
@@ -296,6 +348,50 @@ mod tests {
         ] {
             let err = config(args).unwrap_err().to_string();
             assert!(err.contains(want), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_kubernetes_source_takes_the_seed_flags_it_shares() {
+        let c = config(&[
+            "--kubernetes",
+            "valkey/vc",
+            "--kube-selector",
+            "zone=a",
+            "--base-port",
+            "31000",
+            "--ports-per-shard",
+            "2",
+            "--refresh",
+            "3s",
+        ]);
+        let both = ProxySettings {
+            routes: Some("r".into()),
+            ..ProxySettings::with_kubernetes("valkey", "vc", 31000)
+        };
+        assert_eq!(
+            ProxyConfig::from_settings(&both).unwrap_err(),
+            ConfigError::SeveralSources
+        );
+        if cfg!(feature = "kubernetes") {
+            let SourceConfig::Kubernetes {
+                namespace,
+                cluster,
+                selector,
+                base_port,
+                ports_per_shard,
+                refresh,
+            } = c.unwrap().source
+            else {
+                panic!("not the Kubernetes source");
+            };
+            assert_eq!((namespace.as_str(), cluster.as_str()), ("valkey", "vc"));
+            assert_eq!(selector.as_deref(), Some("zone=a"));
+            assert_eq!((base_port, ports_per_shard), (31000, Some(2)));
+            assert_eq!(refresh, Duration::from_secs(3));
+        } else {
+            let err = c.unwrap_err().to_string();
+            assert!(err.contains("without its `kubernetes` feature"), "{err}");
         }
     }
 

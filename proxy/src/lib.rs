@@ -11,8 +11,8 @@
 //! - `dial`: reaching a node: resolver, connect timeout, socket options, the TLS leg.
 //! - `discovery`: `CLUSTER SHARDS` from seed nodes (the shared admin client) and sticky
 //!   indices.
-//! - `source`: route sources (a file, seed discovery) and the publisher (where the table is
-//!   swapped).
+//! - `source`: route sources (a file, seed discovery, the pods on the Kubernetes API with
+//!   the feature `kubernetes`, on by default) and the publisher (where the table is swapped).
 //! - `conn`: where a connection lives: listeners, the copy loop, the TLS port.
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/routes`.
 //! - [`config`] and [`app`]: the configuration from the settings, and the app that wires

@@ -54,6 +54,8 @@ pub struct RouteMetrics {
     pub version: Gauge,
     pub updates: Counter,
     pub source_errors: Family<SourceLabels, Counter>,
+    /// 1 while the source's last fetch succeeded, 0 while it fails (and before its first).
+    pub source_up: Family<SourceLabels, Gauge>,
     pub listeners: Gauge,
     pub listener_errors: Counter,
 }
@@ -63,6 +65,13 @@ impl RouteMetrics {
     /// from "no such source".
     pub fn source_started(&self, source: &'static str) {
         let _ = self.source_errors.get_or_create(&SourceLabels { source });
+        let _ = self.source_up.get_or_create(&SourceLabels { source });
+    }
+
+    pub fn source_up(&self, source: &'static str, up: bool) {
+        self.source_up
+            .get_or_create(&SourceLabels { source })
+            .set(i64::from(up));
     }
 
     pub fn source_error(&self, source: &'static str) {
@@ -176,6 +185,11 @@ impl Metrics {
             "route_source_errors",
             "Route source failures (the table in force was kept)",
             t.source_errors.clone(),
+        );
+        r.register(
+            "route_source_up",
+            "Whether the route source's last fetch succeeded (1) or failed (0: the table in force is kept)",
+            t.source_up.clone(),
         );
         r.register("listeners", "Listener ports bound now", t.listeners.clone());
         r.register(

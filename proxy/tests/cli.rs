@@ -59,6 +59,8 @@ fn help_explains_how_to_run_it() {
         "/metrics",
         "--drain-timeout",
         "shards:",
+        "--kubernetes <NAMESPACE/CLUSTER>",
+        "--kube-selector",
     ] {
         assert!(help.contains(needle), "--help lacks {needle:?}:\n{help}");
     }
@@ -94,6 +96,27 @@ fn bad_route_files_refuse_to_start_with_a_clear_error() {
         assert!(err.contains(want), "{name}: stderr lacks {want:?}:\n{err}");
         assert!(err.contains(&path.display().to_string()), "{name}: error must name the file:\n{err}");
     }
+}
+
+#[test]
+fn kubernetes_without_an_api_to_talk_to_refuses_to_start_with_a_clear_error() {
+    let out = Command::new(BIN)
+        .args(["--admin-addr", "off", "--listen-ip", "127.0.0.1"])
+        .args(["--kubernetes", "valkey/vc", "--base-port", "30000"])
+        // Neither a kubeconfig nor in-cluster configuration.
+        .env("KUBECONFIG", "/nonexistent/kubeconfig")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("KUBERNETES_SERVICE_PORT")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "started anyway");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let want = if cfg!(feature = "kubernetes") {
+        "--kubernetes: no Kubernetes API to talk to"
+    } else {
+        "built without its `kubernetes` feature"
+    };
+    assert!(err.contains(want), "stderr lacks {want:?}:\n{err}");
 }
 
 #[test]
@@ -193,7 +216,13 @@ fn an_unreachable_seed_is_reported_and_the_proxy_waits() {
     let (status, body) = get(admin, "/readyz").unwrap();
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("no route table"), "{body}");
+    assert!(body.contains("route source seed failing"), "{body}");
     let (_, m) = get(admin, "/metrics").unwrap();
+    assert_eq!(
+        metric(&m, "shardgate_proxy_route_source_up{source=\"seed\"}"),
+        Some(0.0),
+        "{m}"
+    );
     assert!(
         metric(
             &m,

@@ -14,7 +14,7 @@ use std::net::IpAddr;
 
 use kube::ResourceExt;
 use shardgate_admin_client::{Client, Reply, Timeouts};
-use shardgate_crds::external_access::{ExternalAccess, ServiceType};
+use shardgate_crds::external_access::ExternalAccess;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 
@@ -48,14 +48,14 @@ pub fn args(
             shardgate_crds::node_hostname(&h.prefix, node, &h.domain),
         ]);
     }
-    // The address clients are to use, when it is an IP known before the pod runs: the
-    // advertised host, else a LoadBalancer's ingress IP.
-    let host = ea.advertised_host.clone().or_else(|| {
-        exposure
-            .filter(|e| e.service_type == ServiceType::LoadBalancer)
-            .and_then(|e| e.ingress.clone())
-    });
-    match host.and_then(|h| h.parse::<IpAddr>().ok()) {
+    // The address clients are to use, when it is an IP the spec gives. (A LoadBalancer's
+    // ingress, a Gateway's or a Kubernetes node's address are known later and set at run
+    // time, so that their arrival does not restart the pod: see `set_runtime_ips`.)
+    match ea
+        .advertised_host
+        .as_deref()
+        .and_then(|h| h.parse::<IpAddr>().ok())
+    {
         Some(IpAddr::V4(ip)) => {
             args.extend(["--cluster-announce-client-ipv4".to_string(), ip.to_string()])
         }
@@ -151,6 +151,7 @@ pub fn node_hash(config_hash: &str, args: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardgate_crds::external_access::ServiceType;
 
     fn exposure(t: ServiceType) -> Exposure {
         Exposure {
@@ -182,17 +183,13 @@ mod tests {
                 "10.0.0.7"
             ]
         );
-        // A LoadBalancer: its port and ingress IP; TLS: the TLS port.
+        // A LoadBalancer: its port (the ingress IP comes at run time, without a restart);
+        // TLS: the TLS port.
         let tls = ValkeyCluster::test("vc").tls("certs");
         let lb = exposure(ServiceType::LoadBalancer);
         assert_eq!(
             args(&tls, Some(&ExternalAccess::announce()), node, Some(&lb)),
-            [
-                "--cluster-announce-client-tls-port",
-                "6380",
-                "--cluster-announce-client-ipv4",
-                "127.0.9.9"
-            ]
+            ["--cluster-announce-client-tls-port", "6380"]
         );
         // A host name is not an IP: only the port.
         ea.advertised_host = Some("valkey.example.com".into());

@@ -63,8 +63,9 @@ pub fn node_address(node: &Node, preferred: Option<NodeAddressType>) -> Option<S
 }
 
 /// The hosts known only at run time, for the nodes without an `advertisedHost`: the
-/// Gateway's address for a node routed by the Gateway (`gateway_address`), else the address
-/// of the Kubernetes node the pod runs on, for a node whose NodePort is reached there.
+/// Gateway's address for a node routed by the Gateway (`gateway_address`), the ingress of a
+/// LoadBalancer Service, else the address of the Kubernetes node the pod runs on, for a node
+/// whose NodePort is reached there.
 pub async fn node_hosts(
     ctx: &Context,
     ea: &ExternalAccess,
@@ -82,6 +83,12 @@ pub async fn node_hosts(
         if exposure.gateway_port.is_some() {
             if let Some(address) = gateway_address {
                 out.insert(*node, address.to_string());
+            }
+            continue;
+        }
+        if exposure.service_type == ServiceType::LoadBalancer {
+            if let Some(ingress) = &exposure.ingress {
+                out.insert(*node, ingress.clone());
             }
             continue;
         }

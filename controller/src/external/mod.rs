@@ -5,6 +5,8 @@
 //!   ingress read back from them, and the removal of Services no longer needed.
 //! - [`gateway`]: with `gateway` set, one TCPRoute per node on the user's Gateway, and what
 //!   the Gateway lacks.
+//! - [`proxy`]: proxy mode, `shardgate-proxy` in front of the cluster (its Deployment,
+//!   Service, PDB, ServiceAccount and Role) and the endpoints it gives.
 //! - [`announce`]: the flags each node announces its endpoint with, and the per-node hash
 //!   that rolls a node whose flags change.
 //! - [`endpoints`]: `status.externalEndpoints` and `status.bootstrap`: each node's host (the
@@ -13,6 +15,7 @@
 pub mod announce;
 pub mod endpoints;
 pub mod gateway;
+pub mod proxy;
 pub mod services;
 
 use shardgate_crds::external_access::{ExternalAccess, ExternalAccessMode};

@@ -1,13 +1,17 @@
 //! Seed discovery: what the cluster says it is (`CLUSTER SHARDS`, asked with the shared
 //! admin client), and which listener each node it names gets.
 //!
-//! - here: [`discover`], which asks candidate nodes in turn until one answers.
+//! - here: [`discover`], which asks candidate nodes in turn until one answers, and
+//!   [`node_id`], which asks one node who it is (`CLUSTER MYID`).
 //! - [`assignment`]: sticky (shard, node) indices across discoveries.
 //!
-//! The route source that publishes what discovery finds is [`crate::source::seed`].
+//! The route sources that publish what discovery finds are [`crate::source::seed`] and the
+//! Kubernetes source (which knows each node's place from its pod, and asks the nodes only
+//! for their ids and roles).
 
 pub mod assignment;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use shardgate_admin_client::{Client, Timeouts};
@@ -25,6 +29,20 @@ pub enum DiscoveryError {
     NoSeed(String),
     #[error("port layout: {0}")]
     Ports(#[from] shardgate_crds::PortError),
+}
+
+/// Asks the node at `addr` for its id (`CLUSTER MYID`), with `timeout` to connect and as
+/// long again to answer.
+#[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
+pub async fn node_id(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<String, shardgate_admin_client::Error> {
+    let timeouts = Timeouts {
+        connect: timeout,
+        reply: timeout,
+    };
+    Client::connect(addr, timeouts).await?.cluster_myid().await
 }
 
 /// Asks `candidates` in turn for `CLUSTER SHARDS`; the first non-empty answer wins. Each

@@ -109,11 +109,10 @@ impl RouteSource for FileSource {
                         .and_then(|text| parse(&self.path, text, self.rewrite));
                     seen = Some(bytes);
                     match result {
-                        Ok(routes) => {
-                            if let Err(e) = publisher.publish(name, routes) {
-                                publisher.report_error(name, &e);
-                            }
-                        }
+                        Ok(routes) => match publisher.publish(name, routes) {
+                            Ok(_) => publisher.report_ok(name),
+                            Err(e) => publisher.report_error(name, &e),
+                        },
                         Err(e) => publisher.report_error(name, &e),
                     }
                 }

@@ -6,6 +6,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
 
 use shardgate_crds::Hostnames;
 
@@ -34,6 +35,19 @@ impl Deref for Snapshot {
 
 /// Every listener and connection reads the latest snapshot from here.
 pub type RouteRx = watch::Receiver<Arc<Snapshot>>;
+
+/// How the route source is doing, for `/readyz`: a failing source keeps the table in force
+/// (the proxy stays ready with it), and says so here until its next success.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceHealth {
+    /// The source that last reported (empty before any report).
+    pub source: &'static str,
+    /// Its last error and when its failures began, while it fails.
+    pub failing: Option<(String, Instant)>,
+}
+
+/// Reads the source's health (the admin server's `/readyz`).
+pub type HealthRx = watch::Receiver<SourceHealth>;
 
 /// Why a table was refused by the publisher.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,6 +78,7 @@ pub struct RoutePublisher {
     refresh: Arc<Notify>,
     /// The SNI names and the TLS port, for the TLS port's address map.
     sni: Option<(Hostnames, u16)>,
+    health: Arc<watch::Sender<SourceHealth>>,
 }
 
 impl RoutePublisher {
@@ -82,7 +97,14 @@ impl RoutePublisher {
             metrics,
             refresh: Arc::new(Notify::new()),
             sni: None,
+            health: Arc::new(watch::Sender::new(SourceHealth::default())),
         }
+    }
+
+    /// The source's health, as [`RoutePublisher::report_error`] and
+    /// [`RoutePublisher::report_ok`] set it.
+    pub fn health(&self) -> HealthRx {
+        self.health.subscribe()
     }
 
     /// Also builds the TLS port's address map (every node at its SNI name on `tls_port`),
@@ -144,15 +166,38 @@ impl RoutePublisher {
         Ok(changed)
     }
 
-    /// Logs and counts a source's failure; the table in force stays.
+    /// Logs and counts a source's failure; the table in force stays, and `/readyz` says the
+    /// source is failing until [`RoutePublisher::report_ok`].
     pub fn report_error(&self, source: &'static str, error: &dyn std::error::Error) {
         self.metrics.routes.source_error(source);
+        self.metrics.routes.source_up(source, false);
+        let message = error.to_string();
+        self.health.send_modify(|h| {
+            let since = h.failing.as_ref().map_or_else(Instant::now, |(_, t)| *t);
+            h.source = source;
+            h.failing = Some((message, since));
+        });
         let version = self.tx.borrow().version;
         tracing::error!(
             source,
             keeping_version = version,
             "route source error: {error}"
         );
+    }
+
+    /// A source's fetch succeeded (whether or not its table changed): clears a failure.
+    pub fn report_ok(&self, source: &'static str) {
+        self.metrics.routes.source_up(source, true);
+        let mut recovered = None;
+        self.health.send_if_modified(|h| {
+            let changed = h.source != source || h.failing.is_some();
+            recovered = h.failing.take().map(|(_, since)| since.elapsed());
+            h.source = source;
+            changed
+        });
+        if let Some(after) = recovered {
+            tracing::info!(source, failing_for = ?after, "route source recovered");
+        }
     }
 
     /// Refuses routes that would make the proxy connect to itself.

@@ -133,8 +133,9 @@ impl RouteSource for SeedSource {
                     for s in skipped {
                         tracing::warn!(source = name, "not routed: {s}");
                     }
-                    if let Err(e) = publisher.publish(name, routes) {
-                        publisher.report_error(name, &e);
+                    match publisher.publish(name, routes) {
+                        Ok(_) => publisher.report_ok(name),
+                        Err(e) => publisher.report_error(name, &e),
                     }
                     backoff = Duration::from_millis(250);
                     self.interval

@@ -84,3 +84,80 @@ pub fn spread_keys(n: usize, suffix: &str) -> Vec<String> {
         .map(|i| format!("{}{suffix}:{i}", tags[i * 16384 / n]))
         .collect()
 }
+
+/// redis-py's `RedisCluster` started at `seed` only: `n` SET then GET of keys over many
+/// slots (a Python client, for a second client library's view). Returns the `host:port` of
+/// every node it learned, sorted.
+pub fn redis_py_set_get(seed: std::net::SocketAddr, n: usize) -> Result<Vec<String>> {
+    const SCRIPT: &str = r#"
+import sys
+from redis.cluster import RedisCluster
+rc = RedisCluster(host=sys.argv[1], port=int(sys.argv[2]), socket_timeout=5)
+n = int(sys.argv[3])
+keys = [f"py:{{{i % 997}}}:{i}" for i in range(n)]
+for k in keys:
+    assert rc.set(k, k[::-1])
+bad = [k for k in keys if rc.get(k) != k[::-1].encode()]
+print("nodes", " ".join(sorted(f"{x.host}:{x.port}" for x in rc.get_nodes())))
+print("ok", n - len(bad))
+sys.exit(1 if bad else 0)
+"#;
+    let out = std::process::Command::new(crate::tools::python_with_redis()?)
+        .args([
+            "-c",
+            SCRIPT,
+            &seed.ip().to_string(),
+            &seed.port().to_string(),
+            &n.to_string(),
+        ])
+        .output()
+        .context("running python with redis-py")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success() && stdout.contains(&format!("ok {n}")),
+        "redis-py: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let nodes = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("nodes "))
+        .context("redis-py printed no nodes")?;
+    Ok(nodes.split_whitespace().map(str::to_string).collect())
+}
+
+/// `redis-benchmark --cluster` from `seed`: `n` SETs and `n` GETs over random keys with 10
+/// clients; its output, which must show both tests and no error.
+pub fn redis_benchmark_cluster(seed: std::net::SocketAddr, n: usize) -> Result<String> {
+    let out = std::process::Command::new(crate::tools::redis_benchmark()?)
+        .args([
+            "--cluster",
+            "-h",
+            &seed.ip().to_string(),
+            "-p",
+            &seed.port().to_string(),
+            "-n",
+            &n.to_string(),
+            "-c",
+            "10",
+            "-t",
+            "set,get",
+            "-r",
+            "100000",
+            "-q",
+        ])
+        .output()
+        .context("running redis-benchmark")?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success()
+            && text.contains("SET:")
+            && text.contains("GET:")
+            && !text.to_lowercase().contains("error"),
+        "redis-benchmark --cluster: {text}"
+    );
+    Ok(text)
+}

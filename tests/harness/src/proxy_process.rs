@@ -52,6 +52,16 @@ pub fn proxy_binary() -> Result<PathBuf> {
 impl ProxyProcess {
     /// Starts `bin` with `args`; stderr and stdout go to a log file.
     pub fn spawn(bin: &Path, args: &[String], admin: Option<SocketAddr>) -> Result<Self> {
+        Self::spawn_with_env(bin, args, &[], admin)
+    }
+
+    /// As [`ProxyProcess::spawn`], with `env` set for the child (e.g. its `KUBECONFIG`).
+    pub fn spawn_with_env(
+        bin: &Path,
+        args: &[String],
+        env: &[(&str, &std::ffi::OsStr)],
+        admin: Option<SocketAddr>,
+    ) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!(
             "shardgate-proxy-{}-{}",
             std::process::id(),
@@ -69,6 +79,7 @@ impl ProxyProcess {
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)

@@ -213,7 +213,18 @@ pub async fn only_external_addresses(
     let pods = pod_addrs(client, ns, "vc").await?;
     let pod_ips: std::collections::BTreeSet<String> =
         pods.values().map(|a| a.ip().to_string()).collect();
-    let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
+    topology_names_only(seeds[0], &external_addrs, &pod_ips).await
+}
+
+/// CLUSTER SLOTS, CLUSTER NODES and CLUSTER SHARDS asked at `seed` name only addresses of
+/// `allowed` (`host:port`; CLUSTER NODES names each of them once) and no address at one of
+/// `pod_ips`.
+pub async fn topology_names_only(
+    seed: SocketAddr,
+    allowed: &std::collections::BTreeSet<String>,
+    pod_ips: &std::collections::BTreeSet<String>,
+) -> Result<()> {
+    let mut direct = redis::Client::open(format!("redis://{seed}"))?
         .get_multiplexed_async_connection()
         .await?;
     let slots: redis::Value = redis::cmd("CLUSTER")
@@ -222,13 +233,13 @@ pub async fn only_external_addresses(
         .await?;
     let named = slot_addresses(&slots)?;
     ensure!(
-        named.len() >= status.external_endpoints.len(),
+        named.len() >= allowed.len(),
         "CLUSTER SLOTS names {named:?}"
     );
     for a in &named {
         ensure!(
-            external_addrs.contains(a),
-            "CLUSTER SLOTS names {a}: not external ({external_addrs:?})"
+            allowed.contains(a),
+            "CLUSTER SLOTS names {a}: not external ({allowed:?})"
         );
         ensure!(
             !pod_ips.iter().any(|ip| a.starts_with(&format!("{ip}:"))),
@@ -236,25 +247,22 @@ pub async fn only_external_addresses(
         );
     }
     // CLUSTER NODES and CLUSTER SHARDS, asked the same way, name the same addresses.
-    let mut admin = Admin::connect(seeds[0], Timeouts::default()).await?;
+    let mut admin = Admin::connect(seed, Timeouts::default()).await?;
     let lines = admin.cluster_nodes().await?;
-    ensure!(
-        lines.len() == external_addrs.len(),
-        "CLUSTER NODES: {lines:?}"
-    );
+    ensure!(lines.len() == allowed.len(), "CLUSTER NODES: {lines:?}");
     for l in &lines {
         let a = format!("{}:{}", l.ip, l.port);
         ensure!(
-            external_addrs.contains(&a),
-            "CLUSTER NODES names {a}: not external ({external_addrs:?})"
+            allowed.contains(&a),
+            "CLUSTER NODES names {a}: not external ({allowed:?})"
         );
     }
     for shard in admin.cluster_shards().await? {
         for n in &shard.nodes {
             let a = format!("{}:{}", n.ip, n.port.unwrap_or(0));
             ensure!(
-                external_addrs.contains(&a),
-                "CLUSTER SHARDS names {a}: not external ({external_addrs:?})"
+                allowed.contains(&a),
+                "CLUSTER SHARDS names {a}: not external ({allowed:?})"
             );
         }
     }

@@ -213,3 +213,67 @@ pub async fn pod_addrs(
 /// A cluster client that starts from `seeds` (pod addresses), patient enough for a
 /// failover.
 pub use shardgate_harness::clients::cluster_client_at as cluster_client;
+
+/// The `shardgate-proxy` binary, built with its `kubernetes` feature (the route source
+/// `--kubernetes`): `$SHARDGATE_PROXY_BIN` if set, else built here with cargo (`cargo build
+/// -p shardgate-proxy`: default features, which include `kubernetes`) into this test's own
+/// target directory and profile, once per process. Building rather than finding is the point:
+/// this crate does not depend on the proxy, so `cargo test` here builds no proxy binary, and
+/// one left by an earlier build may lack the feature (built by the proxy's e2e crate without
+/// default features, say). It lands beside the test binaries' directory, where
+/// `shardgate_harness::proxy_process::proxy_binary` (and so the node agent, for pods of a
+/// `shardgate-proxy` image) finds it.
+pub fn proxy_binary() -> Result<std::path::PathBuf> {
+    static BUILT: std::sync::OnceLock<std::result::Result<std::path::PathBuf, String>> =
+        std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| build_proxy().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn build_proxy() -> Result<std::path::PathBuf> {
+    if let Some(bin) = std::env::var_os("SHARDGATE_PROXY_BIN") {
+        return Ok(bin.into());
+    }
+    // <target>/<profile>/deps/<test binary>
+    let exe = std::env::current_exe().context("current_exe")?;
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .context("the test binary is not in <target>/<profile>/deps")?;
+    let target_dir = profile_dir.parent().context("no target directory")?;
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => "dev",
+        Some(other) => other,
+        None => bail!("no profile directory in {}", exe.display()),
+    };
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml");
+    // `cargo test` sets CARGO to itself for the tests it runs.
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let started = Instant::now();
+    let status = std::process::Command::new(&cargo)
+        .args(["build", "--quiet", "-p", "shardgate-proxy", "--bin"])
+        .arg(shardgate_harness::proxy_process::PROXY_PROGRAM)
+        .arg("--profile")
+        .arg(profile)
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(target_dir)
+        .status()
+        .with_context(|| format!("running {cargo:?} build -p shardgate-proxy"))?;
+    if !status.success() {
+        bail!("cargo build -p shardgate-proxy failed: {status}");
+    }
+    let bin = profile_dir.join(shardgate_harness::proxy_process::PROXY_PROGRAM);
+    if !bin.is_file() {
+        bail!("cargo build -p shardgate-proxy made no {}", bin.display());
+    }
+    eprintln!(
+        "shardgate-proxy (with the kubernetes feature) built in {:.1?}: {}",
+        started.elapsed(),
+        bin.display()
+    );
+    Ok(bin)
+}

@@ -642,6 +642,24 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
         access("patch", "configmaps", Some(ns)),
         access("create", "poddisruptionbudgets.policy", Some(ns)),
         access("patch", "poddisruptionbudgets.policy", Some(ns)),
+        access("delete", "poddisruptionbudgets.policy", Some(ns)),
+        // Proxy mode: the proxy's Deployment, ServiceAccount, Role and RoleBinding.
+        access("get", "deployments.apps", Some(ns)),
+        access("list", "deployments.apps", watch_ns),
+        access("watch", "deployments.apps", watch_ns),
+        access("create", "deployments.apps", Some(ns)),
+        access("patch", "deployments.apps", Some(ns)),
+        access("delete", "deployments.apps", Some(ns)),
+        access("create", "serviceaccounts", Some(ns)),
+        access("patch", "serviceaccounts", Some(ns)),
+        access("delete", "serviceaccounts", Some(ns)),
+        access("create", "roles.rbac.authorization.k8s.io", Some(ns)),
+        access("patch", "roles.rbac.authorization.k8s.io", Some(ns)),
+        access("delete", "roles.rbac.authorization.k8s.io", Some(ns)),
+        access("create", "rolebindings.rbac.authorization.k8s.io", Some(ns)),
+        access("patch", "rolebindings.rbac.authorization.k8s.io", Some(ns)),
+        access("delete", "rolebindings.rbac.authorization.k8s.io", Some(ns)),
+        access("get", "pods", Some(ns)),
         access("list", "pods", watch_ns),
         access("watch", "pods", watch_ns),
         access("delete", "pods", Some(ns)),
@@ -687,7 +705,10 @@ fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
             "clusterrolebindings.rbac.authorization.k8s.io",
             None,
         ),
-        access("create", "rolebindings.rbac.authorization.k8s.io", Some(ns)),
+        // The proxy's Role is granted from what the operator holds: it may not escalate or
+        // bind beyond it.
+        access("escalate", "roles.rbac.authorization.k8s.io", Some(ns)),
+        access("bind", "roles.rbac.authorization.k8s.io", Some(ns)),
         access("impersonate", "users", None),
         access("impersonate", "serviceaccounts", Some(ns)),
         access(
@@ -753,11 +774,6 @@ fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
         ),
         access("list", "leases.coordination.k8s.io", Some(lease_ns)),
         named("delete", "leases.coordination.k8s.io", lease, lease_ns),
-        // Not yet: external access (the next issue grants these with the code).
-        access("create", "tcproutes.gateway.networking.k8s.io", Some(ns)),
-        access("create", "deployments.apps", Some(ns)),
-        access("create", "serviceaccounts", Some(ns)),
-        access("create", "roles.rbac.authorization.k8s.io", Some(ns)),
     ]
 }
 

@@ -50,10 +50,10 @@ ClusterRole, or a Role in watchNamespace). The same as deploy/operator/rbac.yaml
   verbs: ["list", "watch", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "delete"]
+  verbs: ["get", "list", "watch", "delete"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
@@ -63,8 +63,15 @@ ClusterRole, or a Role in watchNamespace). The same as deploy/operator/rbac.yaml
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["gateways"]
   verbs: ["get", "list", "watch"]
-{{- /* To come with external access (deploy/operator/rbac.yaml lists them): the proxy's
-deployments, serviceaccounts, roles and rolebindings. */}}
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["create", "patch", "delete"]
 {{- end -}}
 
 {{/*

@@ -4,13 +4,52 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
 use kube::api::Api;
 use kube::Client;
 
 use super::expand::expand;
+
+/// Where the ServiceAccount admission plugin mounts a pod's token, CA and namespace (the
+/// projected `kube-api-access-*` volume), and where in-cluster clients read them.
+pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// A kubeconfig that reaches the API server `api` as the pod's ServiceAccount, from the
+/// token, CA and namespace files in `sa_dir` (the container's mapped [`SERVICE_ACCOUNT_DIR`]).
+///
+/// This is the harness's stand-in for in-cluster configuration. A real pod has no
+/// KUBECONFIG: its client reads the fixed paths under [`SERVICE_ACCOUNT_DIR`] and
+/// `KUBERNETES_SERVICE_HOST`/`_PORT`. Here a container's files live under its own directory
+/// (the agent maps mount paths in arguments and environment values, never inside a program),
+/// so the agent writes this file and points the container's KUBECONFIG at it: clients that
+/// fall back to in-cluster config (kube-rs, client-go) take KUBECONFIG first. The token is a
+/// `tokenFile`, re-read by those clients, as in-cluster config re-reads the token.
+pub fn in_cluster_kubeconfig(api: SocketAddr, sa_dir: &Path, namespace: &str) -> Result<String> {
+    let file = |name: &str| {
+        let path = sa_dir.join(name);
+        path.to_str()
+            .map(str::to_string)
+            .with_context(|| format!("{} is not UTF-8", path.display()))
+    };
+    let config = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{
+            "name": "in-cluster",
+            "cluster": { "server": format!("https://{api}"), "certificate-authority": file("ca.crt")? },
+        }],
+        "users": [{ "name": "service-account", "user": { "tokenFile": file("token")? } }],
+        "contexts": [{
+            "name": "in-cluster",
+            "context": { "cluster": "in-cluster", "user": "service-account", "namespace": namespace },
+        }],
+        "current-context": "in-cluster",
+    });
+    serde_yaml::to_string(&config).context("writing a kubeconfig")
+}
 
 /// The environment of `container` in `pod`, in order; values are expanded.
 pub async fn container_env(
@@ -201,5 +240,39 @@ fn resource_value(container: &Container, resource: &str) -> String {
         "cpu" => "2".into(),
         "memory" => (24u64 << 30).to_string(),
         _ => "0".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_in_cluster_kubeconfig_names_the_mapped_service_account_files() {
+        let dir = std::env::temp_dir().join(format!("shardgate-sa-test-{}", std::process::id()));
+        let sa = dir.join("root").join(&SERVICE_ACCOUNT_DIR[1..]);
+        std::fs::create_dir_all(&sa).unwrap();
+        std::fs::write(sa.join("token"), "t0ken").unwrap();
+        // Any PEM certificate will do: the harness's own CA kind.
+        let ca = rcgen::generate_simple_self_signed(vec!["ca".into()]).unwrap();
+        std::fs::write(sa.join("ca.crt"), ca.cert.pem()).unwrap();
+        let api: SocketAddr = "127.0.0.1:6443".parse().unwrap();
+        let text = in_cluster_kubeconfig(api, &sa, "ns-1").unwrap();
+
+        let parsed = kube::config::Kubeconfig::from_yaml(&text).unwrap();
+        let user = parsed.auth_infos[0].auth_info.as_ref().unwrap();
+        assert_eq!(
+            user.token_file.as_deref(),
+            Some(sa.join("token").to_str().unwrap())
+        );
+        // As a client reads it with KUBECONFIG pointing at it.
+        let options = kube::config::KubeConfigOptions::default();
+        let config = kube::Config::from_custom_kubeconfig(parsed, &options)
+            .await
+            .unwrap();
+        assert_eq!(config.cluster_url.to_string(), "https://127.0.0.1:6443/");
+        assert_eq!(config.default_namespace, "ns-1");
+        assert_eq!(config.root_cert.as_ref().map(Vec::len), Some(1));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -22,7 +22,7 @@ use shardgate_harness::valkey::server::{bus_port, CLI_COMMANDS, DEFAULT_PORT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::env::container_env;
+use super::env::{container_env, in_cluster_kubeconfig, SERVICE_ACCOUNT_DIR};
 use super::expand::{expand, rewrite_paths};
 use super::images::{self, ImageKind};
 use super::volumes::{self, Materialized};
@@ -410,10 +410,21 @@ impl Pods {
                 .into_iter()
                 .map(|a| rewrite_paths(&a, &mounts, &root))
                 .collect();
-            let env = env
+            let mut env: Vec<(String, String)> = env
                 .into_iter()
                 .map(|(k, v)| (k, rewrite_paths(&v, &mounts, &root)))
                 .collect();
+            // In-cluster clients read fixed paths the agent cannot map: give them a
+            // kubeconfig naming the mapped files instead (see `in_cluster_kubeconfig`).
+            if mounts.iter().any(|m| m == SERVICE_ACCOUNT_DIR)
+                && !env.iter().any(|(k, _)| k == "KUBECONFIG")
+            {
+                let sa = root.join(SERVICE_ACCOUNT_DIR.trim_start_matches('/'));
+                let path = lp.dir.join(format!("{}.kubeconfig", spec.name));
+                std::fs::write(&path, in_cluster_kubeconfig(self.api, &sa, &lp.ns)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                env.push(("KUBECONFIG".into(), path.display().to_string()));
+            }
             containers.push(LocalContainer {
                 log: lp.dir.join(format!("{}.log", spec.name)),
                 spec: spec.clone(),

@@ -1,0 +1,321 @@
+//! Proxy mode end to end: the operator runs shardgate-proxy (as pods of the harness's node
+//! agent, the workspace's binary) behind one LoadBalancer Service (the harness hands out a
+//! loopback ingress IP), and clients outside reach every node through it, while clients at
+//! the pod network still see pod IPs.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context as _, Result};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Service;
+use kube::api::Api;
+use serde_json::json;
+use shardgate_admin_client::{Client as Admin, Timeouts};
+use shardgate_crds::names::objects;
+use shardgate_crds::NodeRef;
+use shardgate_harness::clients::{cli, redis_benchmark_cluster, redis_py_set_get};
+use shardgate_kube_harness::{Fault, TestEnv};
+use shardgate_operator_e2e::external::{
+    bootstrap_seeds, external_cluster, failovers_under_load, only_external_addresses,
+    redis_cli_set_get, wait_external_ready, FORM,
+};
+use shardgate_operator_e2e::{cluster_client, create, eventually, pod_addrs, Operator};
+
+fn main() -> ExitCode {
+    let Some(suite) = shardgate_operator_e2e::suite_with_crds() else {
+        return ExitCode::FAILURE;
+    };
+    suite
+        .timeout(Duration::from_secs(600))
+        .test(
+            "proxy_mode_outside_clients_see_only_the_load_balancer_and_inside_ones_pod_ips",
+            outside_and_inside,
+        )
+        .test(
+            "proxy_mode_failovers_and_a_pod_at_a_new_ip_under_load",
+            faults,
+        )
+        .test(
+            "proxy_mode_tls_port_routes_by_sni_and_hands_out_sni_names",
+            tls_port,
+        )
+        .run()
+}
+
+fn proxy_access(base_port: u16) -> serde_json::Value {
+    json!({
+        "enabled": true,
+        "mode": "proxy",
+        "proxy": { "replicas": 1, "basePort": base_port },
+    })
+}
+
+async fn outside_and_inside(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = &env;
+    let operator = Operator::start(client, ns);
+    let started = Instant::now();
+    let base = 32500u16;
+    create(
+        client,
+        ns,
+        &external_cluster("vc", 3, 1, proxy_access(base))?,
+    )
+    .await?;
+    let vc = wait_external_ready(client, ns, "vc").await?;
+    eprintln!(
+        "3x1 cluster behind the proxy Ready in {:?}",
+        started.elapsed()
+    );
+    let status = vc.status.clone().context("status")?;
+
+    // The proxy's objects, as a user would look at them.
+    let name = "vc-proxy";
+    let svc = Api::<Service>::namespaced(client.clone(), ns)
+        .get(name)
+        .await?;
+    let spec = svc.spec.clone().unwrap_or_default();
+    ensure!(spec.type_.as_deref() == Some("LoadBalancer"), "{spec:?}");
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .and_then(|i| i.first())
+        .and_then(|i| i.ip.clone())
+        .context("no ingress")?;
+    let deployment = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get(name)
+        .await?;
+    let ready = deployment.status.as_ref().and_then(|s| s.ready_replicas);
+    ensure!(
+        ready == Some(1),
+        "proxy Deployment ready replicas {ready:?}"
+    );
+
+    // status: every node at the ingress, at basePort + flatIndex.
+    ensure!(status.external_endpoints.len() == 6, "{status:?}");
+    for ep in &status.external_endpoints {
+        let flat = ep.shard * 2 + ep.node;
+        ensure!(
+            ep.host == ingress && ep.port == i32::from(base) + flat && ep.service == name,
+            "{ep:?}"
+        );
+    }
+    let seeds = bootstrap_seeds(&vc)?;
+
+    // From outside: the Rust cluster client (10,000 SET/GET, and SLOTS/NODES/SHARDS name only
+    // the load balancer), redis-cli -c, redis-benchmark --cluster and redis-py.
+    only_external_addresses(client, ns, &status, 10_000).await?;
+    let seed = seeds[0];
+    tokio::task::spawn_blocking(move || redis_cli_set_get(seed, 10_000)).await??;
+    tokio::task::spawn_blocking(move || redis_benchmark_cluster(seed, 10_000)).await??;
+    let learned = tokio::task::spawn_blocking(move || redis_py_set_get(seed, 10_000)).await??;
+    let external: BTreeSet<String> = status
+        .external_endpoints
+        .iter()
+        .map(|e| e.address())
+        .collect();
+    ensure!(
+        learned.iter().cloned().collect::<BTreeSet<_>>() == external,
+        "redis-py learned {learned:?}, not {external:?}"
+    );
+    // RESP3 too: CLUSTER SHARDS and CLUSTER SLOTS asked with redis-cli -3 through the proxy
+    // name the load balancer, never a pod.
+    let pods = pod_addrs(client, ns, "vc").await?;
+    for what in ["SHARDS", "SLOTS"] {
+        let (host, port) = (seed.ip().to_string(), seed.port().to_string());
+        let text = tokio::task::spawn_blocking(move || {
+            cli(&["-3", "-h", &host, "-p", &port, "CLUSTER", what])
+        })
+        .await??;
+        // redis-cli quotes strings: a whole address, not a prefix of another.
+        ensure!(
+            text.contains(&format!("\"{ingress}\"")),
+            "RESP3 CLUSTER {what}: {text}"
+        );
+        for addr in pods.values() {
+            ensure!(
+                !text.contains(&format!("\"{}\"", addr.ip())),
+                "RESP3 CLUSTER {what} names the pod {addr}: {text}"
+            );
+        }
+    }
+
+    // From inside (a client at the pod network): the same cluster hands out pod IPs.
+    let inside = *pods.values().next().context("no pod")?;
+    let mut admin = Admin::connect(inside, Timeouts::default()).await?;
+    let pod_ips: BTreeSet<String> = pods.values().map(|a| a.ip().to_string()).collect();
+    for line in admin.cluster_nodes().await? {
+        ensure!(
+            pod_ips.contains(&line.ip),
+            "inside, CLUSTER NODES names {}",
+            line.ip
+        );
+    }
+    let mut inner = cluster_client(pods.values().copied()).await?;
+    for k in shardgate_harness::clients::spread_keys(100, "in") {
+        let _: () = redis::AsyncCommands::set(&mut inner, &k, &k).await?;
+    }
+    operator.stop().await;
+    Ok(())
+}
+
+/// Through the proxy: a manual failover and a killed primary under load, then a pod at a
+/// new IP; the client outside keeps working.
+async fn faults(env: TestEnv) -> Result<()> {
+    let operator = Operator::start(&env.client, &env.ns);
+    let base = 32600u16;
+    create(
+        &env.client,
+        &env.ns,
+        &external_cluster("vc", 3, 1, proxy_access(base))?,
+    )
+    .await?;
+    let vc = wait_external_ready(&env.client, &env.ns, "vc").await?;
+    let seeds = bootstrap_seeds(&vc)?;
+    failovers_under_load(&env, &seeds, "proxy").await?;
+
+    // A replica's pod comes back at a new IP: the proxy's route source follows it, and a
+    // client outside reads every key again.
+    let before = pod_addrs(&env.client, &env.ns, "vc").await?;
+    let moved = NodeRef::new(0, 1);
+    let pod = format!("{}-0", objects::node("vc", moved));
+    let mut conn = cluster_client(seeds.iter().copied()).await?;
+    let keys = shardgate_harness::clients::spread_keys(300, "ip");
+    for k in &keys {
+        let _: () = redis::AsyncCommands::set(&mut conn, k, k).await?;
+    }
+    env.cp
+        .agent()
+        .fault(&env.ns, &pod, Fault::RestartWithNewIp)
+        .await?;
+    let at = eventually("a new pod IP", Duration::from_secs(60), || async {
+        let a = pod_addrs(&env.client, &env.ns, "vc").await?;
+        ensure!(a[&moved] != before[&moved], "still {}", a[&moved]);
+        Ok(a[&moved])
+    })
+    .await?;
+    // The node answers through its proxy port (flat index 1), at its new pod.
+    let through: SocketAddr = SocketAddr::new(seeds[0].ip(), base + 1);
+    eventually("the moved node through the proxy", FORM, || async {
+        let mut c = Admin::connect(through, Timeouts::default()).await?;
+        let info = c.command(["CLIENT", "INFO"]).await?;
+        let text = format!("{info:?}");
+        ensure!(text.contains(&format!("laddr={at}")), "{text}");
+        Ok(())
+    })
+    .await?;
+    for k in &keys {
+        let v: String = redis::AsyncCommands::get(&mut conn, k).await?;
+        ensure!(&v == k, "{k} read back {v}");
+    }
+    operator.stop().await;
+    Ok(())
+}
+
+/// `proxy.tls` (terminate): one TLS port on the LoadBalancer, routed by SNI name, the
+/// certificate from a Secret; a TLS client is handed the nodes' SNI names.
+async fn tls_port(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = &env;
+    let domain = "example.test";
+    let pki = shardgate_harness::tls::TestPki::new(domain)?;
+    let cert = pki.wildcard("proxy")?;
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+        .create(
+            &kube::api::PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "vc-tls" },
+                "type": "kubernetes.io/tls",
+                "stringData": { "tls.crt": cert.cert_pem, "tls.key": cert.key_pem },
+            }))?,
+        )
+        .await?;
+    let operator = Operator::start(client, ns);
+    let (base, tls) = (32700u16, 32790u16);
+    let external = json!({
+        "enabled": true,
+        "mode": "proxy",
+        "domain": domain,
+        "proxy": {
+            "replicas": 1,
+            "basePort": base,
+            "tls": { "port": tls, "secretName": "vc-tls", "mode": "terminate" },
+        },
+    });
+    create(client, ns, &external_cluster("vc", 2, 1, external)?).await?;
+    let vc = wait_external_ready(client, ns, "vc").await?;
+    let status = vc.status.clone().context("status")?;
+    for ep in &status.external_endpoints {
+        let want = format!("vc-{}-{}.{domain}", ep.shard, ep.node);
+        ensure!(ep.hostname.as_deref() == Some(want.as_str()), "{ep:?}");
+    }
+    let ingress = status.external_endpoints[0].host.clone();
+    let pods = pod_addrs(client, ns, "vc").await?;
+    let ca = pki.ca.display().to_string();
+    let tls_cli = |sni: String, args: Vec<String>| {
+        let (ca, host) = (ca.clone(), ingress.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let port = tls.to_string();
+                let mut all = vec![
+                    "--tls", "--sni", &sni, "--cacert", &ca, "-h", &host, "-p", &port,
+                ];
+                all.extend(args.iter().map(String::as_str));
+                cli(&all)
+            })
+            .await?
+        }
+    };
+    // The SNI name picks the node: its own id answers.
+    let node = NodeRef::new(1, 0);
+    let mut admin = Admin::connect(pods[&node], Timeouts::default()).await?;
+    let id = admin.cluster_myid().await?;
+    let got = tls_cli(
+        format!("vc-1-0.{domain}"),
+        vec!["CLUSTER".into(), "MYID".into()],
+    )
+    .await?;
+    ensure!(
+        got == id,
+        "CLUSTER MYID over SNI vc-1-0: {got}, node 1-0 is {id}"
+    );
+    // Topology over TLS names the SNI names at the TLS port, never a pod.
+    let slots = tls_cli(
+        format!("vc-0-0.{domain}"),
+        vec!["CLUSTER".into(), "SLOTS".into()],
+    )
+    .await?;
+    for n in ["vc-0-0", "vc-1-0"] {
+        ensure!(
+            slots.contains(&format!("{n}.{domain}")),
+            "CLUSTER SLOTS over TLS: {slots}"
+        );
+    }
+    ensure!(
+        slots.contains(&tls.to_string()),
+        "CLUSTER SLOTS over TLS: {slots}"
+    );
+    for a in pods.values() {
+        ensure!(
+            !slots.contains(&format!("{}\n", a.ip())),
+            "names the pod {a}: {slots}"
+        );
+    }
+    // A key of shard 1 asked at shard 0's name: redirected to a shard 1 name.
+    let key = shardgate_harness::clients::spread_keys(4, "tls")
+        .into_iter()
+        .find(|k| shardgate_harness::valkey::key_slot(k.as_bytes()) > 8192)
+        .context("a key of shard 1")?;
+    let moved = tls_cli(format!("vc-0-0.{domain}"), vec!["GET".into(), key.clone()]).await?;
+    ensure!(
+        moved.contains("MOVED")
+            && moved.contains("vc-1-")
+            && moved.contains(&format!(".{domain}:{tls}")),
+        "GET {key} at vc-0-0: {moved}"
+    );
+    operator.stop().await;
+    Ok(())
+}
