@@ -28,6 +28,14 @@ fn main() -> ExitCode {
     let Some(suite) = shardgate_operator_e2e::suite_with_crds() else {
         return ExitCode::FAILURE;
     };
+    // The proxy pods run the workspace's binary, with its `kubernetes` feature: built (or
+    // found) before the control plane starts.
+    if !std::env::args().any(|a| a == "--list") {
+        if let Err(e) = shardgate_operator_e2e::proxy_binary() {
+            eprintln!("{e:#}");
+            return ExitCode::FAILURE;
+        }
+    }
     suite
         .timeout(Duration::from_secs(600))
         .test(
