@@ -326,6 +326,16 @@ pub async fn apply_proxy(vc: &ValkeyCluster, ctx: &Context) -> Result<Option<Exp
     apply_one(ctx, &ns, &objects.role).await?;
     apply_one(ctx, &ns, &objects.binding).await?;
     apply_one(ctx, &ns, &objects.budget).await?;
+    // No address to hand out yet (a LoadBalancer still without ingress): no proxy either,
+    // rather than one that must roll as soon as the ingress comes. The Service's change
+    // brings the next reconcile.
+    if host.is_none() {
+        return Ok(Some(Exposed {
+            service: svc.name_any(),
+            host,
+            ready_replicas: 0,
+        }));
+    }
     let deployment = apply_one(ctx, &ns, &objects.deployment).await?;
     let ready_replicas = deployment
         .status

@@ -50,6 +50,10 @@ fn main() -> ExitCode {
             "proxy_mode_tls_port_routes_by_sni_and_hands_out_sni_names",
             tls_port,
         )
+        .test(
+            "proxy_mode_shards_3_to_4_under_an_outside_writer_lose_nothing",
+            scale_out,
+        )
         .run()
 }
 
@@ -323,6 +327,100 @@ async fn tls_port(env: TestEnv) -> Result<()> {
             && moved.contains("vc-1-")
             && moved.contains(&format!(".{domain}:{tls}")),
         "GET {key} at vc-0-0: {moved}"
+    );
+    operator.stop().await;
+    Ok(())
+}
+
+/// Shards 3 -> 4 while a client outside writes through the proxy: the new shard's nodes get
+/// their ports on the Service and in the proxy's table (no proxy pod restarts), the client
+/// follows the migrated slots, and no acknowledged write is lost.
+async fn scale_out(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = &env;
+    let operator = Operator::start(client, ns);
+    let base = 32800u16;
+    create(
+        client,
+        ns,
+        &external_cluster("vc", 3, 1, proxy_access(base))?,
+    )
+    .await?;
+    let vc = wait_external_ready(client, ns, "vc").await?;
+    let seeds = bootstrap_seeds(&vc)?;
+    let proxy_pods = |client: kube::Client, ns: String| async move {
+        let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client, &ns)
+            .list(&kube::api::ListParams::default().labels("shardgate.io/component=proxy"))
+            .await?;
+        Ok::<BTreeSet<String>, anyhow::Error>(
+            pods.items.iter().map(kube::ResourceExt::name_any).collect(),
+        )
+    };
+    let proxies = proxy_pods(client.clone(), ns.clone()).await?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writes = shardgate_operator_e2e::external::writer(
+        cluster_client(seeds.iter().copied()).await?,
+        "scale",
+        stop.clone(),
+    );
+    let started = Instant::now();
+    Api::<shardgate_crds::ValkeyCluster>::namespaced(client.clone(), ns)
+        .patch(
+            "vc",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({ "spec": { "shards": 4 } })),
+        )
+        .await?;
+    let vc = eventually("4 shards reachable through the proxy", FORM, || async {
+        let vc = wait_external_ready(client, ns, "vc").await?;
+        let status = vc.status.clone().context("status")?;
+        ensure!(
+            status.external_endpoints.len() == 8,
+            "{} endpoints",
+            status.external_endpoints.len()
+        );
+        let mut admin = Admin::connect(seeds[0], Timeouts::default()).await?;
+        let primaries: Vec<u32> = admin
+            .cluster_nodes()
+            .await?
+            .iter()
+            .filter(|l| l.is_primary())
+            .map(|l| l.slot_count())
+            .collect();
+        ensure!(
+            primaries == [4096; 4],
+            "slots per primary through the proxy: {primaries:?}"
+        );
+        Ok(vc)
+    })
+    .await?;
+    eprintln!("shards 3 -> 4 behind the proxy in {:?}", started.elapsed());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (acked, errors) = writes.await?;
+    ensure!(
+        acked.len() > 100,
+        "only {} writes acknowledged",
+        acked.len()
+    );
+    ensure!(
+        errors <= acked.len() as u32 / 10 + 20,
+        "{errors} failed writes for {} acknowledged",
+        acked.len()
+    );
+    let mut conn = cluster_client(seeds.iter().copied()).await?;
+    for key in &acked {
+        let v: Option<String> = redis::AsyncCommands::get(&mut conn, key).await?;
+        ensure!(v.is_some(), "acknowledged {key} lost while scaling");
+    }
+    let status = vc.status.clone().context("status")?;
+    only_external_addresses(client, ns, &status, 1_000).await?;
+    // The proxy pods that served the writes are the ones serving the new shard.
+    ensure!(
+        proxy_pods(client.clone(), ns.clone()).await? == proxies,
+        "the proxy pods changed"
+    );
+    eprintln!(
+        "proxy scale-out: {} writes acknowledged, {errors} failed, none lost",
+        acked.len()
     );
     operator.stop().await;
     Ok(())
