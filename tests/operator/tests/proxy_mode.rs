@@ -328,6 +328,68 @@ async fn tls_port(env: TestEnv) -> Result<()> {
             && moved.contains(&format!(".{domain}:{tls}")),
         "GET {key} at vc-0-0: {moved}"
     );
+
+    // The certificate rotated in its Secret (another CA's): the proxy presents it without
+    // restarting (the mounted files change; the proxy reloads them).
+    let proxy_pods = || async {
+        let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
+            .list(&kube::api::ListParams::default().labels("shardgate.io/component=proxy"))
+            .await?;
+        Ok::<Vec<(String, i32)>, anyhow::Error>(
+            pods.items
+                .iter()
+                .map(|p| {
+                    let restarts = p
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.container_statuses.as_ref())
+                        .map(|c| c.iter().map(|c| c.restart_count).sum())
+                        .unwrap_or(0);
+                    (kube::ResourceExt::name_any(p), restarts)
+                })
+                .collect(),
+        )
+    };
+    let before = proxy_pods().await?;
+    let pki2 = shardgate_harness::tls::TestPki::new(domain)?;
+    let cert2 = pki2.wildcard("proxy2")?;
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+        .patch(
+            "vc-tls",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({
+                "stringData": { "tls.crt": cert2.cert_pem, "tls.key": cert2.key_pem },
+            })),
+        )
+        .await?;
+    let ca2 = pki2.ca.display().to_string();
+    let host = ingress.clone();
+    let rotated = Instant::now();
+    eventually("the rotated certificate served", FORM, || {
+        let (ca2, host) = (ca2.clone(), host.clone());
+        async move {
+            let sni = format!("vc-1-0.{domain}");
+            let port = tls.to_string();
+            let out = tokio::task::spawn_blocking(move || {
+                cli(&[
+                    "--tls", "--sni", &sni, "--cacert", &ca2, "-h", &host, "-p", &port, "CLUSTER",
+                    "MYID",
+                ])
+            })
+            .await??;
+            ensure!(!out.is_empty(), "no answer");
+            Ok(())
+        }
+    })
+    .await?;
+    eprintln!(
+        "rotated certificate served {:?} after the Secret changed",
+        rotated.elapsed()
+    );
+    ensure!(
+        proxy_pods().await? == before,
+        "the proxy pods restarted: {before:?}"
+    );
     operator.stop().await;
     Ok(())
 }
