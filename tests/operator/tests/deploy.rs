@@ -732,13 +732,12 @@ fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
         access("patch", "valkeyclusters.shardgate.io", Some(ns)),
         access("delete", "valkeyclusters.shardgate.io", Some(ns)),
         // Children are applied, and collected by the garbage collector, not deleted (but for
-        // the StatefulSet of a node that scale-in removes, and external Services no longer
-        // needed).
+        // the StatefulSet of a node that scale-in removes, external Services and routes no
+        // longer needed, and the proxy's objects when proxy mode is turned off).
         access("get", "statefulsets.apps", Some(ns)),
         access("update", "statefulsets.apps", Some(ns)),
         access("update", "services", Some(ns)),
         access("delete", "configmaps", Some(ns)),
-        access("delete", "poddisruptionbudgets.policy", Some(ns)),
         access("list", "poddisruptionbudgets.policy", Some(ns)),
         // Pods are the StatefulSets' to make; no exec, no logs.
         access("create", "pods", Some(ns)),
