@@ -16,8 +16,9 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::objects::{apply, build, cluster_labels, namespace, owner};
 
-/// The client port every node listens on, inside its pod.
-pub const CLIENT_PORT: u16 = 6379;
+/// The client port every node listens on, inside its pod (the proxy's route source dials
+/// the same one).
+pub use shardgate_crds::ports::CLIENT_PORT;
 /// The cluster bus port: the client port + 10000, as Valkey derives it.
 pub const BUS_PORT: u16 = CLIENT_PORT + 10000;
 

@@ -36,13 +36,7 @@ pub fn node_labels(vc: &ValkeyCluster, node: NodeRef) -> BTreeMap<String, String
 
 /// The label selector of every pod of `vc`.
 pub fn cluster_selector(vc: &ValkeyCluster) -> String {
-    format!(
-        "{}={},{}={}",
-        labels::MANAGED_BY,
-        labels::MANAGED_BY_VALUE,
-        labels::INSTANCE,
-        vc.name_any()
-    )
+    labels::cluster_selector(&vc.name_any())
 }
 
 /// The controller owner reference to `vc`, so that its children are garbage-collected with
