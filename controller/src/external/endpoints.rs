@@ -49,6 +49,20 @@ impl External {
     }
 }
 
+/// `node`'s live role, once the cluster is formed.
+pub fn role(progress: &Progress, node: NodeRef) -> Option<NodeRole> {
+    match progress {
+        Progress::Formed(f) => f.nodes.get(&node).map(|s| {
+            if s.primary {
+                NodeRole::Primary
+            } else {
+                NodeRole::Replica
+            }
+        }),
+        _ => None,
+    }
+}
+
 /// A Kubernetes node's address of the first type of `preference` it has.
 pub fn node_address(node: &Node, preferred: Option<NodeAddressType>) -> Option<String> {
     let addresses = node.status.as_ref()?.addresses.as_ref()?;
@@ -156,16 +170,7 @@ pub fn observe(
             });
             continue;
         };
-        let role = match progress {
-            Progress::Formed(f) => f.nodes.get(&node).map(|s| {
-                if s.primary {
-                    NodeRole::Primary
-                } else {
-                    NodeRole::Replica
-                }
-            }),
-            _ => None,
-        };
+        let role = role(progress, node);
         out.endpoints.push(ExternalEndpoint {
             shard: node.shard.0 as i32,
             node: node.node.0 as i32,

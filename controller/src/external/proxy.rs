@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use shardgate_crds::external_access::{ExternalAccess, ProxySpec, ProxyTlsMode, ServiceType};
 use shardgate_crds::names::labels;
 use shardgate_crds::settings::{AdminAddr, ProxySettings};
-use shardgate_crds::valkey_cluster::{ExternalEndpoint, NodeRole, ValkeyCluster};
+use shardgate_crds::valkey_cluster::{ExternalEndpoint, ValkeyCluster};
 use shardgate_crds::NodeRef;
 
 use super::External;
@@ -428,16 +428,7 @@ pub fn observe(
         out.missing.push("no proxy pod is ready yet".into());
     }
     for (node, port) in ports(vc, proxy)? {
-        let role = match progress {
-            Progress::Formed(f) => f.nodes.get(&node).map(|s| {
-                if s.primary {
-                    NodeRole::Primary
-                } else {
-                    NodeRole::Replica
-                }
-            }),
-            _ => None,
-        };
+        let role = super::endpoints::role(progress, node);
         out.endpoints.push(ExternalEndpoint {
             shard: node.shard.0 as i32,
             node: node.node.0 as i32,

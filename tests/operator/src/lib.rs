@@ -151,6 +151,30 @@ where
     }
 }
 
+/// Touches `name` (an annotation, `touch: <n>`) and waits until the operator has finished
+/// a reconcile since: a reconcile with nothing to change.
+pub async fn reconcile_again(
+    api: &Api<ValkeyCluster>,
+    operator: &Operator,
+    name: &str,
+    n: u32,
+) -> Result<()> {
+    let before = operator.finished_reconciles();
+    api.patch(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({
+            "metadata": { "annotations": { "touch": n.to_string() } }
+        })),
+    )
+    .await?;
+    eventually("a reconcile", Duration::from_secs(60), || async {
+        anyhow::ensure!(operator.finished_reconciles() > before, "none yet");
+        Ok(())
+    })
+    .await
+}
+
 /// The condition `type_` of `vc`'s status: (status, reason, message).
 pub fn condition(vc: &ValkeyCluster, type_: &str) -> Option<(String, String, String)> {
     vc.status

@@ -21,7 +21,7 @@ use shardgate_operator_e2e::external::{
     bootstrap_seeds, external_cluster, external_services, failovers_under_load,
     only_external_addresses, redis_cli_set_get, wait_external_ready, FORM,
 };
-use shardgate_operator_e2e::{condition, create, eventually, Operator};
+use shardgate_operator_e2e::{condition, create, eventually, reconcile_again, Operator};
 
 fn main() -> ExitCode {
     let Some(suite) = shardgate_operator_e2e::suite_with_crds() else {
@@ -300,18 +300,7 @@ async fn routes_every_node(env: TestEnv) -> Result<()> {
     };
     let before = versions(&routes(client, ns).await?);
     for i in 0..2 {
-        let count = operator.finished_reconciles();
-        api.patch(
-            "vc",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "metadata": { "annotations": { "touch": i.to_string() } } })),
-        )
-        .await?;
-        eventually("a reconcile", Duration::from_secs(60), || async {
-            ensure!(operator.finished_reconciles() > count, "none yet");
-            Ok(())
-        })
-        .await?;
+        reconcile_again(&api, &operator, "vc", i).await?;
     }
     let after = versions(&routes(client, ns).await?);
     ensure!(before == after, "routes rewritten: {before:?} -> {after:?}");

@@ -7,13 +7,15 @@ use std::time::Duration;
 
 use anyhow::{ensure, Result};
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams};
 use serde_json::json;
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_kube_harness::{Options, TestEnv};
 use shardgate_operator_e2e::external::{external_cluster, FORM};
-use shardgate_operator_e2e::{condition, create, eventually, wait_ready, Operator};
+use shardgate_operator_e2e::{
+    condition, create, eventually, reconcile_again, wait_ready, Operator,
+};
 
 fn main() -> ExitCode {
     let options = Options {
@@ -78,18 +80,7 @@ async fn warned_once(env: TestEnv) -> Result<()> {
 
     // More reconciles (each a change to the object), and still one warning.
     for i in 0..3 {
-        let before = operator.finished_reconciles();
-        api.patch(
-            "vc",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "metadata": { "annotations": { "touch": i.to_string() } } })),
-        )
-        .await?;
-        eventually("a reconcile", Duration::from_secs(60), || async {
-            ensure!(operator.finished_reconciles() > before, "none yet");
-            Ok(())
-        })
-        .await?;
+        reconcile_again(&api, &operator, "vc", i).await?;
     }
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
     let warnings: Vec<_> = events

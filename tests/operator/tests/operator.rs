@@ -439,23 +439,11 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
 
     // A writer that keeps every acknowledged key and counts its errors.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let stop = stop.clone();
-        let mut conn = cluster_client(addrs.values().copied()).await?;
-        tokio::spawn(async move {
-            let (mut acked, mut errors) = (Vec::new(), 0u32);
-            let mut i = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let key = format!("roll:{i}");
-                match conn.set::<_, _, ()>(&key, i).await {
-                    Ok(()) => acked.push(key),
-                    Err(_) => errors += 1,
-                }
-                i += 1;
-            }
-            (acked, errors)
-        })
-    };
+    let writer = writer(
+        cluster_client(addrs.values().copied()).await?,
+        "roll",
+        stop.clone(),
+    );
 
     Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
         .patch(
