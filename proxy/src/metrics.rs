@@ -93,6 +93,9 @@ pub struct RewriteMetrics {
     pub replies: Family<RewriteLabels, Counter>,
     pub unknown_addresses: Counter,
     pub protocol_errors: Family<ReasonLabels, Counter>,
+    /// Replies paired with a topology command but not of its exact shape, forwarded byte
+    /// for byte, by reason (`not_cluster_nodes`, `exec_length`, ...).
+    pub skipped: Family<ReasonLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -207,6 +210,11 @@ impl Metrics {
             "rewrite_unknown_addresses",
             "Addresses in replies that no route knows (forwarded unchanged; a refresh is asked for)",
             w.unknown_addresses.clone(),
+        );
+        r.register(
+            "rewrite_skipped",
+            "Replies paired with a topology command but not of its exact shape (forwarded unchanged), per reason",
+            w.skipped.clone(),
         );
         r.register(
             "protocol_errors",

@@ -132,20 +132,34 @@ fn mutate(rng: &mut Rng, input: &mut Vec<u8>, all: &[Vec<u8>]) {
     }
 }
 
+/// The captured cluster (see `golden.rs`, which checks its table against every captured
+/// CLUSTER NODES): `(N, primary)` for `127.0.10.N`, in the proxy's port order, each shard's
+/// primary first (shard 0: .1 and its replica .5; shard 1: .2 and .6; shard 2: .3 and .4).
+/// Without node ids, so that the fuzzer exercises mapping by address alone.
+const NODES: [(u8, bool); 6] = [
+    (1, true),
+    (5, false),
+    (2, true),
+    (6, false),
+    (3, true),
+    (4, false),
+];
+
 fn routes() -> Routes {
-    (1..=6u32)
-        .map(|n| {
+    (0u32..)
+        .zip(NODES)
+        .map(|(i, (n, primary))| {
             let route = Route {
-                node: NodeRef::new((n - 1) / 2, (n - 1) % 2),
+                node: NodeRef::new(i / 2, i % 2),
                 backend: format!("127.0.10.{n}:6379").parse().unwrap(),
                 node_id: None,
                 hostname: Some(format!("node-{n}.example.test")),
                 rewrite: true,
-                primary: n % 2 == 1,
+                primary,
                 tls_backend: None,
                 slots: Vec::new(),
             };
-            (30000 + n as u16, Arc::new(route))
+            (30000 + i as u16, Arc::new(route))
         })
         .collect()
 }

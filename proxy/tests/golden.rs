@@ -13,32 +13,96 @@ use shardgate_proxy::resp::{Scan, Scanner};
 use shardgate_proxy::rewrite::stream::{flatten, Limits, ReplySide, RequestSide, Shared};
 use shardgate_proxy::rewrite::{AddressMap, Report};
 
-/// The captured cluster: 127.0.10.N (hostname node-N.example.test) → proxy port 30000+N-1.
-const NODES: [(&str, &str); 6] = [
-    ("127.0.10.1", "a539d95fb51874a91ad88b8f1c379041378f6000"),
-    ("127.0.10.2", "45a9dc707629b0798a2940235c6c132109b67d39"),
-    ("127.0.10.3", "9be423741f0a3b818f633a9c16a1cf9ef42922d0"),
-    ("127.0.10.4", "b6c576188309d2169652f87caed74d6812de842b"),
-    ("127.0.10.5", "2dd88adea70885bb44cbfa95de22bc992c322cf1"),
-    ("127.0.10.6", "fa68a450d251922408bbc98e153b47689f7d1d6f"),
+/// The captured cluster, as its CLUSTER NODES says (`c1-04`, `c1-14`): three primaries
+/// owning slots in order, each with one replica. The fixture puts each shard's primary first
+/// (the proxy's port layout: `30000 + 2 * shard + node`), as discovery would. Each node's
+/// hostname (in the captures that announce them) is `node-N.example.test` for `127.0.10.N`.
+/// `fixture_agrees_with_the_captures` checks this table against every captured CLUSTER NODES.
+struct CapturedNode {
+    ip: &'static str,
+    id: &'static str,
+    node: (u32, u32),
+    primary: bool,
+    /// The proxy's port for it.
+    port: u16,
+}
+
+const NODES: [CapturedNode; 6] = [
+    CapturedNode {
+        ip: "127.0.10.1",
+        id: "a539d95fb51874a91ad88b8f1c379041378f6000",
+        node: (0, 0),
+        primary: true,
+        port: 30000,
+    },
+    CapturedNode {
+        ip: "127.0.10.5",
+        id: "2dd88adea70885bb44cbfa95de22bc992c322cf1",
+        node: (0, 1),
+        primary: false,
+        port: 30001,
+    },
+    CapturedNode {
+        ip: "127.0.10.2",
+        id: "45a9dc707629b0798a2940235c6c132109b67d39",
+        node: (1, 0),
+        primary: true,
+        port: 30002,
+    },
+    CapturedNode {
+        ip: "127.0.10.6",
+        id: "fa68a450d251922408bbc98e153b47689f7d1d6f",
+        node: (1, 1),
+        primary: false,
+        port: 30003,
+    },
+    CapturedNode {
+        ip: "127.0.10.3",
+        id: "9be423741f0a3b818f633a9c16a1cf9ef42922d0",
+        node: (2, 0),
+        primary: true,
+        port: 30004,
+    },
+    CapturedNode {
+        ip: "127.0.10.4",
+        id: "b6c576188309d2169652f87caed74d6812de842b",
+        node: (2, 1),
+        primary: false,
+        port: 30005,
+    },
 ];
+
+/// The slots each shard's primary owns in the captures (outside a migration).
+const SHARD_SLOTS: [(u16, u16); 3] = [(0, 5460), (5461, 10922), (10923, 16383)];
+
+impl CapturedNode {
+    fn hostname(&self) -> String {
+        format!("node-{}.example.test", self.ip.rsplit('.').next().unwrap())
+    }
+}
+
+fn node_by_id(id: &str) -> &'static CapturedNode {
+    NODES
+        .iter()
+        .find(|n| n.id == id)
+        .unwrap_or_else(|| panic!("{id} is not a captured node"))
+}
 
 fn routes() -> Routes {
     NODES
         .iter()
-        .enumerate()
-        .map(|(i, (ip, id))| {
+        .map(|n| {
             let route = Route {
-                node: NodeRef::new(i as u32 / 2, i as u32 % 2),
-                backend: format!("{ip}:6379").parse::<Backend>().unwrap(),
-                node_id: Some(id.to_string()),
-                hostname: Some(format!("node-{}.example.test", i + 1)),
+                node: NodeRef::new(n.node.0, n.node.1),
+                backend: format!("{}:6379", n.ip).parse::<Backend>().unwrap(),
+                node_id: Some(n.id.to_string()),
+                hostname: Some(n.hostname()),
                 rewrite: true,
-                primary: i % 2 == 0,
+                primary: n.primary,
                 tls_backend: None,
                 slots: Vec::new(),
             };
-            (30000 + i as u16, Arc::new(route))
+            (n.port, Arc::new(route))
         })
         .collect()
 }
@@ -193,9 +257,14 @@ fn every_capture_keeps_its_shape_and_loses_every_internal_address() {
                 assert_eq!(report.unknown.len(), 1, "{}", c.id);
                 continue;
             }
-            for (n, (ip, _)) in NODES.iter().enumerate() {
-                assert!(!text.contains(ip), "{}: internal {ip} left in {text}", c.id);
-                let name = format!("node-{}.example.test", n + 1);
+            for n in &NODES {
+                assert!(
+                    !text.contains(n.ip),
+                    "{}: internal {} left in {text}",
+                    c.id,
+                    n.ip
+                );
+                let name = n.hostname();
                 assert!(
                     !text.contains(&name),
                     "{}: internal {name} left in {text}",
@@ -232,17 +301,27 @@ fn golden(id: &str, host: &str) -> String {
 #[test]
 fn exact_rewrites() {
     let ip = "127.0.77.70";
-    assert_eq!(golden("c1-06", ip), "-MOVED 12182 127.0.77.70:30002\r\n");
-    assert_eq!(golden("c1-18", ip), "-ASK 5061 127.0.77.70:30001\r\n");
-    assert_eq!(golden("c2-20", ip), "-MOVED 12182 127.0.77.70:30002\r\n");
+    assert_eq!(golden("c1-06", ip), "-MOVED 12182 127.0.77.70:30004\r\n");
+    assert_eq!(golden("c1-18", ip), "-ASK 5061 127.0.77.70:30002\r\n");
+    assert_eq!(golden("c2-20", ip), "-MOVED 12182 127.0.77.70:30004\r\n");
     assert_eq!(
         golden("c2-20", "valkey.example.com"),
-        "-MOVED 12182 valkey.example.com:30002\r\n"
+        "-MOVED 12182 valkey.example.com:30004\r\n"
     );
-    // CLUSTER SLOTS, RESP2: endpoint and port of every node.
-    assert!(golden("c1-02", ip).starts_with(
-        "*3\r\n*4\r\n:0\r\n:5460\r\n*4\r\n$11\r\n127.0.77.70\r\n:30000\r\n$40\r\na539d95fb51874a91ad88b8f1c379041378f6000\r\n*0\r\n*4\r\n$11\r\n127.0.77.70\r\n:30004\r\n"
-    ));
+    // CLUSTER SLOTS, RESP2: endpoint and port of every node, each range's primary first.
+    assert_eq!(
+        golden("c1-02", ip),
+        "*3\r\n\
+         *4\r\n:0\r\n:5460\r\n\
+         *4\r\n$11\r\n127.0.77.70\r\n:30000\r\n$40\r\na539d95fb51874a91ad88b8f1c379041378f6000\r\n*0\r\n\
+         *4\r\n$11\r\n127.0.77.70\r\n:30001\r\n$40\r\n2dd88adea70885bb44cbfa95de22bc992c322cf1\r\n*0\r\n\
+         *4\r\n:5461\r\n:10922\r\n\
+         *4\r\n$11\r\n127.0.77.70\r\n:30002\r\n$40\r\n45a9dc707629b0798a2940235c6c132109b67d39\r\n*0\r\n\
+         *4\r\n$11\r\n127.0.77.70\r\n:30003\r\n$40\r\nfa68a450d251922408bbc98e153b47689f7d1d6f\r\n*0\r\n\
+         *4\r\n:10923\r\n:16383\r\n\
+         *4\r\n$11\r\n127.0.77.70\r\n:30004\r\n$40\r\n9be423741f0a3b818f633a9c16a1cf9ef42922d0\r\n*0\r\n\
+         *4\r\n$11\r\n127.0.77.70\r\n:30005\r\n$40\r\nb6c576188309d2169652f87caed74d6812de842b\r\n*0\r\n"
+    );
     // Unknown endpoint: the NULL (RESP2 `$-1`, RESP3 `_`) stays, the port is the proxy's.
     let g = golden("c3-12", ip);
     assert!(
@@ -268,7 +347,7 @@ fn exact_rewrites() {
         ["*5", "$5", "slave", "$11"]
     );
     assert!(golden("c8-02", ip).contains("127.0.77.70\r\n:30000\r\n"));
-    assert!(golden("c8-01", ip).contains("*3\r\n$11\r\n127.0.77.70\r\n$5\r\n30004\r\n"));
+    assert!(golden("c8-01", ip).contains("*3\r\n$11\r\n127.0.77.70\r\n$5\r\n30001\r\n"));
     // INFO: master_host/master_port and slaveN lines.
     let g = golden("c8-06", ip);
     assert!(
@@ -277,7 +356,7 @@ fn exact_rewrites() {
     );
     let g = golden("c8-05", ip);
     assert!(
-        g.contains("slave0:ip=127.0.77.70,port=30004,state=online"),
+        g.contains("slave0:ip=127.0.77.70,port=30001,state=online"),
         "{g}"
     );
     // Bulk lengths follow the new content.
@@ -287,11 +366,111 @@ fn exact_rewrites() {
     }
 }
 
+/// The `CLUSTER NODES` lines of a reply (RESP2 bulk or RESP3 verbatim `txt:`).
+fn nodes_lines(reply: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(reply).into_owned();
+    let body = text.split_once("\r\n").unwrap().1;
+    let body = body.strip_prefix("txt:").unwrap_or(body);
+    body.trim_end_matches("\r\n")
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn fixture_agrees_with_the_captures() {
+    // Every captured CLUSTER NODES names the table's nodes in the table's roles, each
+    // replica following its shard's primary, each primary owning its shard's slots.
+    let caps: Vec<Capture> = captures()
+        .into_iter()
+        .filter(|c| c.command == "CLUSTER NODES")
+        .collect();
+    assert!(
+        caps.len() >= 8,
+        "only {} CLUSTER NODES captures",
+        caps.len()
+    );
+    for c in &caps {
+        let lines = nodes_lines(&c.reply);
+        assert_eq!(lines.len(), NODES.len(), "{}", c.id);
+        for line in lines {
+            let f: Vec<&str> = line.split(' ').collect();
+            let n = node_by_id(f[0]);
+            let ip = f[1].split(':').next().unwrap();
+            // Section 4 of the reference announces a client IP for 127.0.10.3.
+            let announced = ip == "127.0.99.3" && n.ip == "127.0.10.3";
+            assert!(ip == n.ip || announced, "{}: {line}", c.id);
+            let flags: Vec<&str> = f[2].split(',').collect();
+            assert_eq!(flags.contains(&"master"), n.primary, "{}: {line}", c.id);
+            assert_eq!(flags.contains(&"slave"), !n.primary, "{}: {line}", c.id);
+            if n.primary {
+                let (lo, hi) = SHARD_SLOTS[n.node.0 as usize];
+                assert_eq!(f[8], format!("{lo}-{hi}"), "{}: {line}", c.id);
+            } else {
+                let primary = node_by_id(f[3]);
+                assert!(primary.primary, "{}: {line}", c.id);
+                assert_eq!(primary.node.0, n.node.0, "{}: {line}", c.id);
+            }
+        }
+    }
+}
+
+#[test]
+fn cluster_nodes_names_each_node_at_its_own_port_in_its_role() {
+    // Each line keeps its id, flags, primary, epochs, link state and slots; only the
+    // address becomes the proxy's (the table's port for that id, the bus port kept).
+    for (id, host) in [
+        ("c1-04", "127.0.77.70"),
+        ("c1-10", "127.0.77.70"),
+        ("c1-14", "127.0.77.70"),
+        ("c1-28", "127.0.77.70"),
+        ("c1-29", "127.0.77.70"),
+        ("c2-09", "valkey.example.com"),
+        ("c2-23", "valkey.example.com"),
+    ] {
+        let c = captures().into_iter().find(|c| c.id == id).unwrap();
+        let out = golden(id, host);
+        let (before, after) = (nodes_lines(&c.reply), nodes_lines(out.as_bytes()));
+        assert_eq!(before.len(), after.len(), "{id}");
+        for (was, now) in before.iter().zip(&after) {
+            let (was, now): (Vec<&str>, Vec<&str>) =
+                (was.split(' ').collect(), now.split(' ').collect());
+            let n = node_by_id(was[0]);
+            let address = if host.parse::<std::net::IpAddr>().is_err() {
+                // A proxy reached by name announces it as every node's hostname too.
+                format!("{host}:{}@16379,{host}", n.port)
+            } else {
+                format!("{host}:{}@16379", n.port)
+            };
+            assert_eq!(now[1], address, "{id}: {}", now.join(" "));
+            assert_eq!(now[0], was[0], "{id}");
+            assert_eq!(now[2..], was[2..], "{id}: only the address changes");
+        }
+    }
+}
+
+#[test]
+fn replication_replies_name_each_peer_at_its_own_port() {
+    let ip = "127.0.77.70";
+    // ROLE of the primary 127.0.10.1: its replica 127.0.10.5, offsets kept.
+    assert_eq!(
+        golden("c8-01", ip),
+        "*3\r\n$6\r\nmaster\r\n:1425\r\n*1\r\n*3\r\n$11\r\n127.0.77.70\r\n$5\r\n30001\r\n$4\r\n1388\r\n"
+    );
+    // CLUSTER REPLICAS of 127.0.10.3: 127.0.10.4 at its port, as a replica of the same id.
+    let g = golden("c1-05", ip);
+    assert!(
+        g.contains("\r\nb6c576188309d2169652f87caed74d6812de842b 127.0.77.70:30005@16379 slave 9be423741f0a3b818f633a9c16a1cf9ef42922d0 "),
+        "{g}"
+    );
+}
+
 #[test]
 fn shards_in_both_protocols_and_with_hostnames() {
     // RESP3 map: ip and endpoint become the proxy, the port its listener, tls-port goes.
     let g = golden("c1-09", "127.0.77.70");
-    assert!(g.contains("$2\r\nid\r\n$40\r\n9be423741f0a3b818f633a9c16a1cf9ef42922d0\r\n$4\r\nport\r\n:30002\r\n$2\r\nip\r\n$11\r\n127.0.77.70\r\n$8\r\nendpoint\r\n$11\r\n127.0.77.70\r\n"), "{g}");
+    assert!(g.contains("$2\r\nid\r\n$40\r\n9be423741f0a3b818f633a9c16a1cf9ef42922d0\r\n$4\r\nport\r\n:30004\r\n$2\r\nip\r\n$11\r\n127.0.77.70\r\n$8\r\nendpoint\r\n$11\r\n127.0.77.70\r\n"), "{g}");
     // With hostnames announced and a proxy reached by name: hostname is the proxy's name,
     // and the internal IP key goes (its element count shrinks accordingly).
     let g = golden("c2-22", "valkey.example.com");
@@ -325,6 +504,9 @@ fn pipelined_captures_in_one_stream() {
     let caps: Vec<Capture> = captures()
         .into_iter()
         .filter(|c| !c.reply.starts_with(b">"))
+        // A HELLO 3 switches the connection to RESP3, after which arrays are replies, not
+        // pushes: no connection sends the RESP2 pub/sub captures after it.
+        .filter(|c| !c.command.starts_with("HELLO"))
         .collect();
     let map = AddressMap::new("127.0.77.70", &routes());
     let shared = Shared::new(true);
@@ -357,19 +539,15 @@ fn redirects_without_a_host_are_mapped_by_slot_when_the_source_knows_slots() {
     // Seed discovery knows each primary's slots (section 3 of the reference: unknown-endpoint
     // and `?` redirects name only a port).
     let mut routes = routes();
-    for (port, slots) in [
-        (30000u16, (0u16, 5460u16)),
-        (30001, (5461, 10922)),
-        (30002, (10923, 16383)),
-    ] {
-        let mut r = (*routes[&port]).clone();
-        r.slots = vec![slots];
-        routes.insert(port, Arc::new(r));
+    for n in NODES.iter().filter(|n| n.primary) {
+        let mut r = (*routes[&n.port]).clone();
+        r.slots = vec![SHARD_SLOTS[n.node.0 as usize]];
+        routes.insert(n.port, Arc::new(r));
     }
     let map = AddressMap::new("127.0.77.70", &routes);
     for (id, want) in [
-        ("c3-11", "-MOVED 12182 :30002\r\n"),
-        ("c3-03", "-MOVED 12182 ?:30002\r\n"),
+        ("c3-11", "-MOVED 12182 :30004\r\n"),
+        ("c3-03", "-MOVED 12182 ?:30004\r\n"),
     ] {
         let c = captures().into_iter().find(|c| c.id == id).unwrap();
         let (out, report) = through_proxy(&map, &c.command, &c.reply, &[]);

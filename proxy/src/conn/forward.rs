@@ -324,6 +324,12 @@ impl Forwarder {
             }
             m.replies.get_or_create(&RewriteLabels { kind }).inc_by(n);
         }
+        for &reason in &report.skipped {
+            m.skipped.get_or_create(&ReasonLabels { reason }).inc();
+        }
+        if !report.skipped.is_empty() {
+            tracing::debug!(skipped = ?report.skipped, "replies paired with a topology command but not of its shape; forwarded unchanged");
+        }
         if report.refresh && report.unknown.is_empty() {
             self.refresh.notify_one();
         }

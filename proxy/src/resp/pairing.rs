@@ -29,14 +29,19 @@ pub enum Expect {
     /// INFO with the replication section in it.
     Info,
     /// (P|S)(UN)SUBSCRIBE: one confirmation per channel (RESP2 arrays or RESP3 pushes), or
-    /// one error. `channels` is 0 for an UNSUBSCRIBE of everything, which ends at the
-    /// confirmation that reports no subscription left; `seen` counts those arrived.
+    /// one error. `channels` is 0 for an unsubscribe of everything, which ends at the
+    /// confirmation after which no subscription of its kind is left (one per subscription,
+    /// or one with a NULL channel when there was none); `seen` counts those arrived.
     PubSub {
+        op: PubSubOp,
         channels: u64,
         seen: u64,
     },
     Monitor,
     Reset,
+    /// HELLO: its reply's type says which protocol the connection speaks from then on (a
+    /// map: RESP3, an array: RESP2, an error: unchanged).
+    Hello,
     /// EXEC whose transaction holds topology commands, in order.
     Exec(Vec<Expect>),
 }
@@ -46,7 +51,7 @@ impl Expect {
     pub fn is_topology(&self) -> bool {
         !matches!(
             self,
-            Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset
+            Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset | Expect::Hello
         )
     }
 
@@ -66,6 +71,13 @@ impl Expect {
 
     /// What `cmd`'s reply is. `info` says whether INFO and ROLE are rewritten.
     pub fn of(cmd: &Command, info: bool) -> Expect {
+        if let Some(op) = PubSubOp::of(cmd.name()) {
+            return Expect::PubSub {
+                op,
+                channels: cmd.argc.saturating_sub(1),
+                seen: 0,
+            };
+        }
         match cmd.name() {
             b"cluster" => match cmd.arg(1) {
                 b"slots" => Expect::ClusterSlots,
@@ -90,15 +102,37 @@ impl Expect {
                     Expect::Other
                 }
             }
-            b"subscribe" | b"psubscribe" | b"ssubscribe" | b"unsubscribe" | b"punsubscribe"
-            | b"sunsubscribe" => Expect::PubSub {
-                channels: cmd.argc.saturating_sub(1),
-                seen: 0,
-            },
             b"monitor" => Expect::Monitor,
             b"reset" => Expect::Reset,
+            b"hello" => Expect::Hello,
             _ => Expect::Other,
         }
+    }
+}
+
+/// A pub/sub command, and the confirmations it gets (named alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PubSubOp {
+    Subscribe,
+    PSubscribe,
+    SSubscribe,
+    Unsubscribe,
+    PUnsubscribe,
+    SUnsubscribe,
+}
+
+impl PubSubOp {
+    /// From a lowercase command or confirmation name.
+    fn of(name: &[u8]) -> Option<PubSubOp> {
+        Some(match name {
+            b"subscribe" => PubSubOp::Subscribe,
+            b"psubscribe" => PubSubOp::PSubscribe,
+            b"ssubscribe" => PubSubOp::SSubscribe,
+            b"unsubscribe" => PubSubOp::Unsubscribe,
+            b"punsubscribe" => PubSubOp::PUnsubscribe,
+            b"sunsubscribe" => PubSubOp::SUnsubscribe,
+            _ => return None,
+        })
     }
 }
 
@@ -125,7 +159,16 @@ pub struct Pairing {
     skip_next: bool,
     // Reply side.
     subscribed: bool,
+    /// Subscriptions held, as the confirmations report them: a (un)subscribe or
+    /// p(un)subscribe confirmation counts channels and patterns together, an
+    /// s(un)subscribe one counts shard channels alone.
+    channels: u64,
+    patterns: u64,
+    shard_channels: u64,
     monitor: bool,
+    /// Whether the server speaks RESP3 (a HELLO 3 was answered with a map). In RESP3 only a
+    /// push frame (`>`) is out of band: an array is a reply, whatever its first element.
+    resp3: bool,
 }
 
 impl Pairing {
@@ -171,6 +214,13 @@ impl Pairing {
     }
 
     /// Records a command the client sent.
+    ///
+    /// A command changes how later replies pair (`CLIENT REPLY`, `MULTI`, `EXEC`,
+    /// `DISCARD`) only when Valkey accepts it, which is decided here by Valkey's own syntax
+    /// checks: the exact argument count (`MULTI x`, `CLIENT REPLY SKIP x` and `DISCARD x`
+    /// are rejected with an error and change nothing, while `EXEC x` aborts the
+    /// transaction), and `CLIENT REPLY` is refused inside a transaction (an error in place
+    /// of `+QUEUED`, and EXEC then aborts).
     pub fn on_request(&mut self, cmd: &Command) {
         let name = cmd.name();
         if name == b"reset" {
@@ -181,22 +231,27 @@ impl Pairing {
             self.push(Expect::Reset);
             return;
         }
-        if name == b"client" && cmd.arg(1) == b"reply" {
+        if name == b"client" && cmd.arg(1) == b"reply" && cmd.argc == 3 && !self.in_multi {
             match cmd.arg(2) {
                 b"on" => {
                     self.reply_off = false;
                     self.skip_next = false;
                     self.push(Expect::Other);
+                    return;
                 }
-                b"off" => self.reply_off = true,
-                b"skip" if !self.reply_off => self.skip_next = true,
-                _ => {
-                    if !self.reply_off && !std::mem::take(&mut self.skip_next) {
-                        self.push(Expect::Other); // an error reply
+                b"off" => {
+                    self.reply_off = true;
+                    return;
+                }
+                b"skip" => {
+                    if !self.reply_off {
+                        self.skip_next = true;
                     }
+                    return;
                 }
+                // A syntax error: an error reply, like any other command's.
+                _ => {}
             }
-            return;
         }
         if self.reply_off || std::mem::take(&mut self.skip_next) {
             return;
@@ -205,28 +260,32 @@ impl Pairing {
         if self.in_multi {
             match name {
                 b"exec" => {
+                    // Even with the wrong arity, EXEC ends the transaction (with
+                    // `-EXECABORT`).
                     self.in_multi = false;
                     let tx = std::mem::take(&mut self.transaction);
-                    if tx.iter().any(Expect::is_topology) {
+                    if cmd.argc == 1 && tx.iter().any(Expect::is_topology) {
                         self.push(Expect::Exec(tx));
                     } else {
                         self.push(Expect::Other);
                     }
                 }
-                b"discard" => {
+                b"discard" if cmd.argc == 1 => {
                     self.in_multi = false;
                     self.transaction.clear();
                     self.push(Expect::Other);
                 }
                 _ => {
-                    // `+QUEUED` (or an error) now; the real reply comes inside EXEC's.
+                    // `+QUEUED` (or an error) now; the real reply comes inside EXEC's. A
+                    // command refused here (an error) aborts the EXEC, so that the queued
+                    // list only has to be right when every command was queued.
                     self.transaction.push(expect);
                     self.push(Expect::Other);
                 }
             }
             return;
         }
-        if name == b"multi" {
+        if name == b"multi" && cmd.argc == 1 {
             self.in_multi = true;
         }
         self.push(expect);
@@ -236,15 +295,17 @@ impl Pairing {
     /// topology reply, an error (MOVED/ASK), or an array that may be a RESP2 pub/sub frame.
     pub fn capture(&self, ty: u8) -> bool {
         if self.monitor {
-            // Only to spot RESET's reply among the monitor lines.
-            return ty == b'+' && self.queue.iter().any(|(e, _)| *e == Expect::Reset);
+            // An error answers a command sent while monitoring (a MOVED is rewritten); a
+            // simple string is captured only to spot RESET's reply among the monitor lines.
+            return ty == b'-'
+                || (ty == b'+' && self.queue.iter().any(|(e, _)| *e == Expect::Reset));
         }
         let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
         match ty {
             b'-' => true,
             // A push is out of band, but a subscribe waits for its confirmations in pushes.
             b'>' => pubsub_front,
-            b'*' if self.subscribed || pubsub_front => true,
+            b'*' if !self.resp3 && (self.subscribed || pubsub_front) => true,
             _ => self
                 .queue
                 .iter()
@@ -268,16 +329,14 @@ impl Pairing {
                     break;
                 }
             }
-            self.subscribed = false;
-            self.monitor = false;
+            self.reset_replies();
             return Answer::InBand(Expect::Reset);
         }
         let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
-        if ty == b'>' || (ty == b'*' && (self.subscribed || pubsub_front)) {
+        if ty == b'>' || (ty == b'*' && !self.resp3 && (self.subscribed || pubsub_front)) {
             match frame.and_then(pubsub_kind) {
-                Some(PubSubKind::Confirmation(count)) => {
-                    self.subscribed = count > 0;
-                    self.confirmed(count);
+                Some(PubSubKind::Confirmation(op, count)) => {
+                    self.confirmed(op, count);
                     return Answer::OutOfBand;
                 }
                 // PING's reply in RESP2 subscribed mode is in band.
@@ -300,24 +359,61 @@ impl Pairing {
         let expect = self.pop().unwrap_or(Expect::Other);
         match expect {
             Expect::Monitor if ty == b'+' => self.monitor = true,
-            Expect::Reset => {
-                self.subscribed = false;
-                self.monitor = false;
-            }
+            Expect::Reset => self.reset_replies(),
+            Expect::Hello if ty == b'%' => self.resp3 = true,
+            Expect::Hello if ty == b'*' => self.resp3 = false,
             _ => {}
         }
         Answer::InBand(expect)
     }
 
-    /// A subscribe or unsubscribe confirmation arrived (`count`: subscriptions left): it
-    /// counts towards the subscribe command at the front, which ends with its last channel.
-    fn confirmed(&mut self, count: i64) {
-        let Some((Expect::PubSub { channels, seen }, n)) = self.queue.front_mut() else {
+    /// RESET's reply: no subscription, no MONITOR, RESP2.
+    fn reset_replies(&mut self) {
+        self.subscribed = false;
+        self.monitor = false;
+        self.resp3 = false;
+        self.channels = 0;
+        self.patterns = 0;
+        self.shard_channels = 0;
+    }
+
+    /// A subscribe or unsubscribe confirmation arrived (`count`: subscriptions left, as
+    /// Valkey counts them for `op`): it counts towards the command of the same name at the
+    /// front, which ends with its last channel.
+    fn confirmed(&mut self, op: PubSubOp, count: i64) {
+        let count = u64::try_from(count).unwrap_or(0);
+        let left = match op {
+            PubSubOp::Subscribe | PubSubOp::Unsubscribe => {
+                self.channels = count.saturating_sub(self.patterns);
+                self.channels
+            }
+            PubSubOp::PSubscribe | PubSubOp::PUnsubscribe => {
+                self.patterns = count.saturating_sub(self.channels);
+                self.patterns
+            }
+            PubSubOp::SSubscribe | PubSubOp::SUnsubscribe => {
+                self.shard_channels = count;
+                count
+            }
+        };
+        self.subscribed = self.channels + self.patterns + self.shard_channels > 0;
+        let Some((
+            Expect::PubSub {
+                op: want,
+                channels,
+                seen,
+            },
+            n,
+        )) = self.queue.front_mut()
+        else {
             return; // Unasked (a slot moved away, say): nothing waits for it.
         };
+        if *want != op {
+            return; // Unasked too: an sunsubscribe when a slot moves away.
+        }
         let (channels, seen) = (*channels, *seen + 1);
         let done = if channels == 0 {
-            count <= 0
+            left == 0
         } else {
             seen >= channels
         };
@@ -326,7 +422,7 @@ impl Pairing {
             *n -= 1;
             if !done {
                 self.queue
-                    .push_front((Expect::PubSub { channels, seen }, 1));
+                    .push_front((Expect::PubSub { op, channels, seen }, 1));
             }
         } else if done {
             self.queue.pop_front();
@@ -340,7 +436,7 @@ impl Pairing {
 enum PubSubKind {
     Message,
     /// A (un)subscribe confirmation, with the subscription count it reports.
-    Confirmation(i64),
+    Confirmation(PubSubOp, i64),
     /// PING's reply in subscribed mode: in band.
     Pong,
 }
@@ -354,12 +450,10 @@ fn pubsub_kind(f: &Frame<'_>) -> Option<PubSubKind> {
     let name = first.to_ascii_lowercase();
     match name.as_slice() {
         b"message" | b"pmessage" | b"smessage" => Some(PubSubKind::Message),
-        b"subscribe" | b"psubscribe" | b"ssubscribe" | b"unsubscribe" | b"punsubscribe"
-        | b"sunsubscribe" => Some(PubSubKind::Confirmation(
-            items.get(2).and_then(Frame::as_int).unwrap_or(0),
-        )),
         b"pong" => Some(PubSubKind::Pong),
-        _ => None,
+        name => PubSubOp::of(name).map(|op| {
+            PubSubKind::Confirmation(op, items.get(2).and_then(Frame::as_int).unwrap_or(0))
+        }),
     }
 }
 
@@ -484,6 +578,7 @@ mod tests {
             got,
             vec![
                 InBand(Expect::PubSub {
+                    op: PubSubOp::SSubscribe,
                     channels: 1,
                     seen: 0
                 }),
@@ -506,7 +601,7 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                InBand(Expect::Other),
+                InBand(Expect::Hello),
                 OutOfBand,
                 OutOfBand,
                 InBand(Expect::ClusterSlots)
@@ -617,6 +712,153 @@ mod tests {
             got[3..],
             [InBand(Expect::Reset), InBand(Expect::ClusterSlots)]
         );
+    }
+
+    #[test]
+    fn in_resp3_only_a_push_is_out_of_band() {
+        let push = b">3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n";
+        let message = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$1\r\nx\r\n";
+        let got = pair(
+            b"HELLO 3\r\nSUBSCRIBE ch\r\nLRANGE l 0 -1\r\nCLUSTER SLOTS\r\n",
+            &[b"%0\r\n", push, message, b"*0\r\n"],
+        );
+        assert_eq!(
+            got,
+            [
+                InBand(Expect::Hello),
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+        // A HELLO 3 that failed leaves RESP2, where that array is a message; RESET goes
+        // back to RESP2.
+        let got = pair(
+            b"HELLO 3 AUTH a b\r\nSUBSCRIBE ch\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"-WRONGPASS x\r\n",
+                &push.map(|b| if b == b'>' { b'*' } else { b }),
+                message,
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(got[2..], [OutOfBand, InBand(Expect::ClusterSlots)]);
+        let got = pair(
+            b"HELLO 3\r\nRESET\r\nSUBSCRIBE ch\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"%0\r\n",
+                b"+RESET\r\n",
+                &push.map(|b| if b == b'>' { b'*' } else { b }),
+                message,
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(got[3..], [OutOfBand, InBand(Expect::ClusterSlots)]);
+    }
+
+    #[test]
+    fn commands_valkey_rejects_change_no_state() {
+        // Wrong arity: an error reply, and the next command is answered.
+        for cmd in [
+            &b"CLIENT REPLY SKIP x\r\n"[..],
+            b"CLIENT REPLY OFF x\r\n",
+            b"CLIENT REPLY\r\n",
+            b"CLIENT REPLY FOO\r\n",
+        ] {
+            let mut requests = cmd.to_vec();
+            requests.extend_from_slice(b"GET k\r\nPING\r\nCLUSTER NODES\r\n");
+            let got = pair(
+                &requests,
+                &[b"-ERR x\r\n", b"$1\r\nv\r\n", b"+PONG\r\n", b"$0\r\n\r\n"],
+            );
+            assert_eq!(
+                got[3],
+                InBand(Expect::ClusterNodes),
+                "{}",
+                String::from_utf8_lossy(cmd)
+            );
+        }
+        // `MULTI x` starts no transaction: CLUSTER SLOTS is answered at once.
+        let got = pair(
+            b"MULTI x\r\nCLUSTER SLOTS\r\nEXEC\r\n",
+            &[b"-ERR x\r\n", b"*0\r\n", b"-ERR EXEC without MULTI\r\n"],
+        );
+        assert_eq!(got[1], InBand(Expect::ClusterSlots));
+        // CLIENT REPLY inside MULTI is refused (and EXEC aborts); `DISCARD x` does not end
+        // the transaction, `EXEC x` does (with -EXECABORT).
+        let got = pair(
+            b"MULTI\r\nCLUSTER NODES\r\nEXEC x\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n", b"-EXECABORT x\r\n", b"*0\r\n"],
+        );
+        assert_eq!(got[3], InBand(Expect::ClusterSlots));
+        let got = pair(
+            b"MULTI\r\nCLIENT REPLY SKIP\r\nGET k\r\nDISCARD x\r\nEXEC\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"+OK\r\n",
+                b"-ERR no\r\n",
+                b"+QUEUED\r\n",
+                b"-ERR x\r\n",
+                b"-EXECABORT x\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(got[5], InBand(Expect::ClusterSlots));
+        // Accepted forms still work.
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nGET k\r\nCLIENT REPLY OFF\r\nGET k\r\nCLIENT REPLY ON\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"*0\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterSlots)]);
+    }
+
+    #[test]
+    fn unsubscribing_from_everything_counts_each_kind_apart() {
+        let c = |kind: &str, ch: &str, n: u8| {
+            format!(
+                "*3\r\n${}\r\n{kind}\r\n${}\r\n{ch}\r\n:{n}\r\n",
+                kind.len(),
+                ch.len()
+            )
+            .into_bytes()
+        };
+        // The bytes Valkey 9 sends: subscribe counts channels and patterns together,
+        // ssubscribe shard channels alone; an unsubscribe of everything with nothing of its
+        // kind left answers once, with a NULL channel.
+        let replies = [
+            c("subscribe", "a", 1),
+            c("subscribe", "b", 2),
+            c("psubscribe", "p*", 3),
+            c("ssubscribe", "s", 1),
+            c("unsubscribe", "a", 2),
+            c("unsubscribe", "b", 1),
+            c("punsubscribe", "p*", 0),
+            c("sunsubscribe", "s", 0),
+            b"*3\r\n$11\r\nunsubscribe\r\n$-1\r\n:0\r\n".to_vec(),
+            b"-MOVED 1 10.0.0.1:6379\r\n".to_vec(),
+            b"*0\r\n".to_vec(),
+        ];
+        let replies: Vec<&[u8]> = replies.iter().map(Vec::as_slice).collect();
+        let got = pair(
+            b"SUBSCRIBE a b\r\nPSUBSCRIBE p*\r\nSSUBSCRIBE s\r\nUNSUBSCRIBE\r\nPUNSUBSCRIBE\r\nSUNSUBSCRIBE\r\nUNSUBSCRIBE\r\nGET k\r\nCLUSTER SLOTS\r\n",
+            &replies,
+        );
+        assert!(got[..9].iter().all(|a| *a == OutOfBand), "{got:?}");
+        assert_eq!(
+            got[9..],
+            [InBand(Expect::Other), InBand(Expect::ClusterSlots)]
+        );
+        // A message on a channel still held after the shard channels went is a message.
+        let got = pair(
+            b"SSUBSCRIBE s\r\nSUBSCRIBE a\r\nSUNSUBSCRIBE\r\nPING\r\n",
+            &[
+                &c("ssubscribe", "s", 1),
+                &c("subscribe", "a", 1),
+                &c("sunsubscribe", "s", 0),
+                b"*3\r\n$7\r\nmessage\r\n$1\r\na\r\n$1\r\nx\r\n",
+                b"*2\r\n$4\r\npong\r\n$0\r\n\r\n",
+            ],
+        );
+        assert_eq!(got[3..], [OutOfBand, InBand(Expect::Other)]);
     }
 
     #[test]

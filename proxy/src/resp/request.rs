@@ -240,25 +240,104 @@ impl RequestScanner {
             }
             State::Inline => {
                 self.state = State::Start;
-                let mut words = line
-                    .split(|b| b.is_ascii_whitespace())
-                    .filter(|w| !w.is_empty());
-                let mut n = 0u64;
-                for (k, w) in words.by_ref().enumerate() {
+                // What Valkey 9 does with a NUL byte here is not sdssplitargs' (it answers
+                // nothing at all): close rather than guess.
+                if line.contains(&0) {
+                    return Err(RespError::InlineNul);
+                }
+                // Unbalanced quotes: Valkey answers with a protocol error and closes the
+                // connection, and runs nothing.
+                let Some(words) = split_args(line) else {
+                    return Ok(());
+                };
+                for (k, w) in words.iter().enumerate() {
                     if k == 0 || self.cmd.wants_args() {
                         self.cmd.keep(k as u64, w);
                     }
-                    n += 1;
                 }
                 // An empty line is ignored by Valkey, without a reply.
-                if n > 0 {
-                    self.cmd.argc = n;
+                if !words.is_empty() {
+                    self.cmd.argc = words.len() as u64;
                     on_command(&self.cmd);
                 }
             }
             _ => {}
         }
         Ok(())
+    }
+}
+
+/// Splits an inline command into its arguments as Valkey 9 does (`sdssplitargs`): blanks
+/// between arguments; within one, `"..."` with the `\xHH`, `\n`, `\r`, `\t`, `\b`, `\a`
+/// and `\<c>` escapes, and `'...'` with `\'`, glued to what is next to them (`"a"b` is
+/// `ab`). `None` for unbalanced quotes (Valkey answers "Protocol error: unbalanced quotes"
+/// and runs nothing).
+fn split_args(line: &[u8]) -> Option<Vec<Vec<u8>>> {
+    let at = |i: usize| line.get(i).copied();
+    let hex = |b: Option<u8>| b.and_then(|b| char::from(b).to_digit(16)).map(|d| d as u8);
+    // `isspace`: space, \t, \n, \v, \f, \r.
+    let blank = |b: u8| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r');
+    let mut args = Vec::new();
+    let mut p = 0;
+    loop {
+        while at(p).is_some_and(blank) {
+            p += 1;
+        }
+        if at(p).is_none() {
+            return Some(args);
+        }
+        let mut current = Vec::new();
+        // The quote in force, if any.
+        let mut quote = None;
+        loop {
+            let Some(c) = at(p) else {
+                if quote.is_some() {
+                    return None;
+                }
+                break;
+            };
+            match quote {
+                Some(b'"') => {
+                    if let (b'\\', Some(b'x'), Some(h), Some(l)) =
+                        (c, at(p + 1), hex(at(p + 2)), hex(at(p + 3)))
+                    {
+                        current.push(h * 16 + l);
+                        p += 3;
+                    } else if let (b'\\', Some(e)) = (c, at(p + 1)) {
+                        p += 1;
+                        current.push(match e {
+                            b'n' => b'\n',
+                            b'r' => b'\r',
+                            b't' => b'\t',
+                            b'b' => 0x08,
+                            b'a' => 0x07,
+                            other => other,
+                        });
+                    } else if c == b'"' {
+                        quote = None;
+                    } else {
+                        current.push(c);
+                    }
+                }
+                Some(_) => {
+                    if c == b'\\' && at(p + 1) == Some(b'\'') {
+                        p += 1;
+                        current.push(b'\'');
+                    } else if c == b'\'' {
+                        quote = None;
+                    } else {
+                        current.push(c);
+                    }
+                }
+                None => match c {
+                    b' ' | b'\n' | b'\r' | b'\t' => break,
+                    b'"' | b'\'' => quote = Some(c),
+                    _ => current.push(c),
+                },
+            }
+            p += 1;
+        }
+        args.push(current);
     }
 }
 
@@ -311,6 +390,34 @@ mod tests {
             got,
             vec![(b"$1".to_vec(), vec![], 1), (b"x".to_vec(), vec![], 1)]
         );
+    }
+
+    #[test]
+    fn inline_commands_are_split_as_valkey_splits_them() {
+        let one = |line: &[u8]| commands(line, &[]).unwrap();
+        assert_eq!(
+            one(b"\"CLUSTER\" 'nodes'\r\n"),
+            vec![(b"cluster".to_vec(), b"nodes".to_vec(), 2)]
+        );
+        assert_eq!(
+            one(b"client \"re\\x70ly\" \"OFF\"\n"),
+            vec![(b"client".to_vec(), b"reply".to_vec(), 3)]
+        );
+        // One argument with a blank in it; an escaped quote.
+        assert_eq!(
+            one(b"GET \"a b\" 'it\\'s'\r\n"),
+            vec![(b"get".to_vec(), vec![], 3)]
+        );
+        // Unbalanced quotes: Valkey runs nothing. Quotes glue to what is next to them.
+        assert!(one(b"GET \"a\r\n").is_empty());
+        assert_eq!(
+            one(b"CLUSTER n\"od\"'es'\r\n"),
+            vec![(b"cluster".to_vec(), b"nodes".to_vec(), 2)]
+        );
+        assert_eq!(commands(b"ECHO a\0b\r\n", &[]), Err(RespError::InlineNul));
+        // Blank lines are no command; a vertical tab is a blank between arguments only.
+        assert!(one(b" \t \r\n").is_empty());
+        assert_eq!(one(b"\x0bPING\r\n"), vec![(b"ping".to_vec(), vec![], 1)]);
     }
 
     #[test]

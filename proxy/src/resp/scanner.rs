@@ -33,6 +33,10 @@ pub enum RespError {
     Streamed,
     #[error("frame larger than {0} bytes")]
     FrameTooLarge(usize),
+    /// Valkey's answer to such a line could not be foretold: the connection is closed
+    /// rather than paired by guess.
+    #[error("NUL byte in an inline command")]
+    InlineNul,
 }
 
 /// The outcome of one [`Scanner::scan`] call.

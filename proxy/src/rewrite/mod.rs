@@ -44,6 +44,9 @@ pub struct Report {
     pub unknown: Vec<String>,
     /// Whether the route source should look again (a redirect was mapped by slot).
     pub refresh: bool,
+    /// Replies paired with a topology command that did not have its exact shape, and so
+    /// went out byte for byte: the reason of each (`not_cluster_nodes`, `exec_length`, ...).
+    pub skipped: Vec<&'static str>,
 }
 
 impl Report {
@@ -106,6 +109,41 @@ pub fn rewrite_to_bytes(
     Some(out)
 }
 
+/// Whether `frame` has the exact shape of `expect`'s reply; else the reason it is not
+/// rebuilt (a metric label). This is what keeps a value from being rewritten when a reply
+/// is paired with the wrong command: a GET of a text that merely holds addresses is not a
+/// CLUSTER NODES reply unless every line of it is a node line.
+fn shape(expect: &Expect, frame: &Frame<'_>) -> Result<(), &'static str> {
+    let ok = match expect {
+        Expect::ClusterSlots => topology::is_slots(frame),
+        Expect::ClusterShards => topology::is_shards(frame),
+        Expect::ClusterNodes => nodes::is_nodes(frame),
+        Expect::ClusterReplicas => nodes::is_replicas(frame),
+        Expect::Role => replication::is_role(frame),
+        Expect::Info => replication::is_info(frame),
+        Expect::Exec(kinds) => {
+            return match frame {
+                Frame::Array(b'*', items) if items.len() == kinds.len() => Ok(()),
+                // A transaction that a WATCH aborted: nothing to rewrite.
+                Frame::Null(_) => Ok(()),
+                _ => Err("exec_length"),
+            };
+        }
+        _ => true,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(match expect {
+        Expect::ClusterSlots => "not_cluster_slots",
+        Expect::ClusterShards => "not_cluster_shards",
+        Expect::ClusterNodes => "not_cluster_nodes",
+        Expect::ClusterReplicas => "not_cluster_replicas",
+        Expect::Role => "not_role",
+        _ => "not_info",
+    })
+}
+
 fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, report: &mut Report) {
     if let Frame::Error(line) = frame {
         let mut new = Vec::new();
@@ -116,6 +154,10 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
     }
     if let Frame::Attribute(_, inner) = frame {
         return rewrite_in_place(map, expect, inner, report);
+    }
+    if let Err(reason) = shape(expect, frame) {
+        report.skipped.push(reason);
+        return;
     }
     match expect {
         Expect::ClusterSlots => topology::slots(map, frame, report),
@@ -131,6 +173,7 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
                 }
             }
         }
-        Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset => {}
+        Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset | Expect::Hello => {
+        }
     }
 }

@@ -25,6 +25,59 @@ pub fn nodes(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     }
 }
 
+/// Whether `f` has the exact shape of a CLUSTER NODES reply: a string (RESP2 bulk or RESP3
+/// `txt:` verbatim) of node lines, each ended by a newline.
+pub fn is_nodes(f: &Frame<'_>) -> bool {
+    let text = match f {
+        Frame::Bulk(t) => &t[..],
+        Frame::Verbatim(v) if v.starts_with(b"txt:") => &v[4..],
+        _ => return false,
+    };
+    let Some(body) = text.strip_suffix(b"\n") else {
+        return false;
+    };
+    body.split(|&b| b == b'\n').all(is_node_line)
+}
+
+/// Whether `f` has the exact shape of a CLUSTER REPLICAS reply: an array of bulk strings,
+/// each one node line without its newline.
+pub fn is_replicas(f: &Frame<'_>) -> bool {
+    let Frame::Array(b'*', items) = f else {
+        return false;
+    };
+    items
+        .iter()
+        .all(|item| matches!(item, Frame::Bulk(line) if is_node_line(line)))
+}
+
+/// `<id> <ip:port@cport[,hostname]> <flags> <primary-id|-> <ping> <pong> <epoch>
+/// <link-state> [<slot>...]`, as `clusterGenNodeDescription` writes it.
+fn is_node_line(line: &[u8]) -> bool {
+    let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+    let id = |f: &[u8]| f.len() == 40 && f.iter().all(u8::is_ascii_hexdigit);
+    let number = |f: &[u8]| !f.is_empty() && f.iter().all(u8::is_ascii_digit);
+    let address = |f: &[u8]| {
+        let Some(at) = f.iter().position(|&b| b == b'@') else {
+            return false;
+        };
+        let (hostport, tail) = (&f[..at], &f[at + 1..]);
+        let cport = tail.split(|&b| b == b',').next().unwrap_or_default();
+        hostport
+            .iter()
+            .rposition(|&b| b == b':')
+            .is_some_and(|c| number(&hostport[c + 1..]))
+            && number(cport)
+    };
+    fields.len() >= 8
+        && id(fields[0])
+        && address(fields[1])
+        && !fields[2].is_empty()
+        && (fields[3] == b"-" || id(fields[3]))
+        && fields[4..7].iter().all(|f| number(f))
+        && matches!(fields[7], b"connected" | b"disconnected")
+        && fields[8..].iter().all(|f| !f.is_empty())
+}
+
 /// `CLUSTER REPLICAS`: an array of lines without the trailing newline.
 pub fn replicas(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     let Frame::Array(_, items) = f else { return };

@@ -19,6 +19,14 @@ fn write(map: &AddressMap, line: &[u8], report: &mut Report, out: &mut Vec<u8>) 
     };
     let mut parts = line[kind.len() + 1..].splitn(2, |&b| b == b' ');
     let slot = parts.next()?;
+    // The exact shape: a slot number in range, then one address.
+    if slot.is_empty()
+        || slot.len() > 5
+        || !slot.iter().all(u8::is_ascii_digit)
+        || parse_port(slot).is_none_or(|s| s > 16383)
+    {
+        return None;
+    }
     let addr = parts.next()?;
     let colon = addr.iter().rposition(|&b| b == b':')?;
     let (host, port) = (&addr[..colon], parse_port(&addr[colon + 1..])?);

@@ -7,6 +7,60 @@ use super::addresses::{parse_port, port_text, AddressMap};
 use super::Report;
 use crate::resp::frame::Frame;
 
+/// Whether `f` has the exact shape of a ROLE reply of a primary (`[master, offset,
+/// [[ip, port, offset], ...]]`) or of a replica (`[slave, ip, port, state, offset]`).
+pub fn is_role(f: &Frame<'_>) -> bool {
+    let Frame::Array(b'*', items) = f else {
+        return false;
+    };
+    let bulk = |f: &Frame<'_>| matches!(f, Frame::Bulk(_));
+    match items.first().and_then(Frame::as_bytes) {
+        Some(b"master") => {
+            items.len() == 3
+                && items[1].as_int().is_some()
+                && matches!(&items[2], Frame::Array(b'*', replicas) if replicas.iter().all(
+                    |r| matches!(r, Frame::Array(b'*', fields) if fields.len() == 3 && fields.iter().all(bulk))
+                ))
+        }
+        Some(b"slave") => {
+            items.len() == 5
+                && bulk(&items[1])
+                && items[2].as_int().is_some()
+                && bulk(&items[3])
+                && items[4].as_int().is_some()
+        }
+        _ => false,
+    }
+}
+
+/// Whether `f` has the exact shape of an INFO reply: a string (bulk, or RESP3 `txt:`
+/// verbatim) of CRLF-ended lines, the first a `# Section` header, each line empty, a
+/// header, or `key:value` with a key of `[A-Za-z0-9_.-]`.
+pub fn is_info(f: &Frame<'_>) -> bool {
+    let text = match f {
+        Frame::Bulk(t) => &t[..],
+        Frame::Verbatim(v) if v.starts_with(b"txt:") => &v[4..],
+        _ => return false,
+    };
+    let Some(body) = text.strip_suffix(b"\r\n") else {
+        return false;
+    };
+    if !body.starts_with(b"# ") {
+        return false;
+    }
+    body.split(|&b| b == b'\n').all(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        line.is_empty()
+            || line.starts_with(b"# ")
+            || line.iter().position(|&b| b == b':').is_some_and(|c| {
+                c > 0
+                    && line[..c]
+                        .iter()
+                        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+            })
+    })
+}
+
 /// `ROLE`: `[master, offset, [[ip, port, offset], ...]]` or `[slave, ip, port, state, offset]`.
 pub fn role(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     let Frame::Array(_, items) = f else { return };

@@ -264,4 +264,128 @@ mod tests {
         assert!(wait.await.is_ok());
         assert_eq!(shared.pairing().pending(), 0);
     }
+
+    fn map() -> AddressMap {
+        use crate::model::{Backend, Route, Routes};
+        use shardgate_crds::NodeRef;
+        use std::sync::Arc;
+        let routes: Routes = (0..2u32)
+            .map(|i| {
+                let mut r = Route::new(
+                    NodeRef::new(i, 0),
+                    format!("10.0.0.{}:6379", i + 1).parse::<Backend>().unwrap(),
+                );
+                r.node_id = Some(format!("{i:040}"));
+                (30000 + i as u16, Arc::new(r))
+            })
+            .collect();
+        AddressMap::new("127.0.77.70", &routes)
+    }
+
+    /// Sends `requests`, then `replies` in one read; returns the output and the report.
+    fn through(requests: &[u8], replies: &[u8]) -> (Vec<u8>, Report) {
+        let shared = Shared::new(true);
+        RequestSide::new(Limits::default())
+            .observe(requests, &shared)
+            .unwrap();
+        let (mut out, mut report) = (vec![], Report::default());
+        ReplySide::new(Limits::default())
+            .process(replies, &shared, &map(), &mut out, &mut report)
+            .unwrap();
+        (flatten(replies, &out), report)
+    }
+
+    fn bulk(text: &[u8]) -> Vec<u8> {
+        let mut v = format!("${}\r\n", text.len()).into_bytes();
+        v.extend_from_slice(text);
+        v.extend_from_slice(b"\r\n");
+        v
+    }
+
+    #[test]
+    fn a_reply_paired_with_a_topology_command_is_rebuilt_only_in_its_exact_shape() {
+        let id = format!("{:040}", 0);
+        let line = format!("{id} 10.0.0.1:6379@16379 myself,master - 0 0 1 connected 0-16383");
+        // The real shape is rebuilt...
+        let nodes = bulk(format!("{line}\n").as_bytes());
+        let (out, report) = through(b"CLUSTER NODES\r\n", &nodes);
+        assert!(String::from_utf8_lossy(&out).contains("127.0.77.70:30000@16379"));
+        assert!(report.skipped.is_empty());
+
+        // ... but values that only hold addresses go out byte for byte, counted: a node
+        // line among other text, INFO-like text with no section header, a MOVED in a
+        // string, arrays that are not CLUSTER SLOTS / SHARDS / ROLE.
+        let cases: Vec<(&[u8], Vec<u8>, &str)> = vec![
+            (
+                b"CLUSTER NODES\r\n",
+                bulk(format!("my note\n{line}\n").as_bytes()),
+                "not_cluster_nodes",
+            ),
+            (
+                b"CLUSTER NODES\r\n",
+                bulk(line.as_bytes()),
+                "not_cluster_nodes",
+            ),
+            (
+                b"CLUSTER REPLICAS x\r\n",
+                format!("*2\r\n{}$3\r\nabc\r\n", String::from_utf8(bulk(line.as_bytes())).unwrap())
+                    .into_bytes(),
+                "not_cluster_replicas",
+            ),
+            (
+                b"INFO\r\n",
+                bulk(b"master_host:10.0.0.1\r\nmaster_port:6379\r\n"),
+                "not_info",
+            ),
+            (
+                b"INFO\r\n",
+                bulk(b"# Replication\r\nmaster_host:10.0.0.1\r\nmaster_port:6379\r\nMOVED 1 10.0.0.1:6379\r\n"),
+                "not_info",
+            ),
+            (
+                b"CLUSTER SLOTS\r\n",
+                b"*1\r\n*3\r\n$1\r\n0\r\n$5\r\n16383\r\n*2\r\n$8\r\n10.0.0.1\r\n:6379\r\n".to_vec(),
+                "not_cluster_slots",
+            ),
+            (
+                b"CLUSTER SLOTS\r\n",
+                bulk(b"MOVED 1 10.0.0.1:6379"),
+                "not_cluster_slots",
+            ),
+            (
+                b"CLUSTER SHARDS\r\n",
+                b"*1\r\n*2\r\n$5\r\nnodes\r\n*1\r\n*4\r\n$2\r\nip\r\n$8\r\n10.0.0.1\r\n$4\r\nport\r\n:6379\r\n".to_vec(),
+                "not_cluster_shards",
+            ),
+            (
+                b"ROLE\r\n",
+                b"*3\r\n$5\r\nslave\r\n$8\r\n10.0.0.1\r\n:6379\r\n".to_vec(),
+                "not_role",
+            ),
+            (
+                b"MULTI\r\nCLUSTER NODES\r\nEXEC\r\n",
+                format!("+OK\r\n+QUEUED\r\n*2\r\n{}:1\r\n", String::from_utf8(nodes.clone()).unwrap()).into_bytes(),
+                "exec_length",
+            ),
+        ];
+        for (request, reply, reason) in cases {
+            let (out, report) = through(request, &reply);
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&reply),
+                "{reason}"
+            );
+            assert_eq!(report.skipped, [reason]);
+            assert_eq!(report.rewritten, 0);
+        }
+        // A MOVED answering a command sent while monitoring is rewritten.
+        let (out, _) = through(
+            b"MONITOR\r\nGET k\r\n",
+            b"+OK\r\n-MOVED 1 10.0.0.1:6379\r\n",
+        );
+        assert_eq!(out, b"+OK\r\n-MOVED 1 127.0.77.70:30000\r\n");
+        // A MOVED with a slot out of range is not a redirect.
+        let err = b"-MOVED 99999 10.0.0.1:6379\r\n";
+        assert_eq!(through(b"GET k\r\n", err).0, err);
+    }
 }

@@ -124,6 +124,86 @@ fn rewrite_ip_and_hostname(ext: &Endpoint, m: &mut MapRef<'_, '_>) {
     m.remove(drop);
 }
 
+/// Whether `f` has the exact shape of a CLUSTER SLOTS reply: an array of ranges
+/// `[start, end, node, ...]`, each node `[endpoint, port, id?, metadata?]` with the endpoint
+/// a string or NULL, the port and slots integers, and the metadata a map of strings.
+pub fn is_slots(f: &Frame<'_>) -> bool {
+    let Frame::Array(b'*', ranges) = f else {
+        return false;
+    };
+    ranges.iter().all(|range| {
+        let Frame::Array(b'*', items) = range else {
+            return false;
+        };
+        items.len() >= 3
+            && items[0].as_int().is_some()
+            && items[1].as_int().is_some()
+            && items[2..].iter().all(is_slots_node)
+    })
+}
+
+fn is_slots_node(node: &Frame<'_>) -> bool {
+    let Frame::Array(b'*', fields) = node else {
+        return false;
+    };
+    (2..=4).contains(&fields.len())
+        && matches!(fields[0], Frame::Bulk(_) | Frame::Null(_))
+        && fields[1].as_int().is_some()
+        && fields.get(2).is_none_or(|id| matches!(id, Frame::Bulk(_)))
+        && fields
+            .get(3)
+            .is_none_or(|meta| is_string_map(meta, |_| true))
+}
+
+/// Whether `f` is a map (RESP3, or a RESP2 flat array) whose keys are all bulk strings and
+/// whose values pass `value`.
+fn is_string_map(f: &Frame<'_>, value: impl Fn(&Frame<'_>) -> bool) -> bool {
+    match f {
+        Frame::Map(pairs) => pairs
+            .iter()
+            .all(|(k, v)| matches!(k, Frame::Bulk(_)) && value(v)),
+        Frame::Array(b'*', items) if items.len() % 2 == 0 => items
+            .chunks(2)
+            .all(|kv| matches!(kv[0], Frame::Bulk(_)) && value(&kv[1])),
+        _ => false,
+    }
+}
+
+/// Whether `f` has the exact shape of a CLUSTER SHARDS reply: an array of shard maps, each
+/// with `slots` and `nodes`, each node a map of scalars with an `id`.
+pub fn is_shards(f: &Frame<'_>) -> bool {
+    let Frame::Array(b'*', shards) = f else {
+        return false;
+    };
+    let scalar =
+        |v: &Frame<'_>| !matches!(v, Frame::Array(..) | Frame::Map(_) | Frame::Attribute(..));
+    shards.iter().all(|shard| {
+        let slots_ok = matches!(map_get(shard, b"slots"), Some(Frame::Array(b'*', _)));
+        let nodes_ok = match map_get(shard, b"nodes") {
+            Some(Frame::Array(b'*', nodes)) => nodes.iter().all(|node| {
+                is_string_map(node, scalar) && matches!(map_get(node, b"id"), Some(Frame::Bulk(_)))
+            }),
+            _ => false,
+        };
+        is_string_map(shard, |_| true) && slots_ok && nodes_ok
+    })
+}
+
+/// The value of `key` in a map of either protocol.
+fn map_get<'f, 'a>(f: &'f Frame<'a>, key: &[u8]) -> Option<&'f Frame<'a>> {
+    match f {
+        Frame::Map(pairs) => pairs
+            .iter()
+            .find(|(k, _)| k.as_bytes() == Some(key))
+            .map(|(_, v)| v),
+        Frame::Array(b'*', items) if items.len() % 2 == 0 => items
+            .chunks(2)
+            .find(|kv| kv[0].as_bytes() == Some(key))
+            .map(|kv| &kv[1]),
+        _ => None,
+    }
+}
+
 /// `CLUSTER SLOTS`: `[[start, end, [endpoint, port, id, metadata], ...], ...]`.
 pub fn slots(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     let Frame::Array(_, ranges) = f else { return };

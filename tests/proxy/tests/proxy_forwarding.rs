@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use shardgate_harness::addr::{free_port, free_port_range};
-use shardgate_harness::http::{get, metric};
+use shardgate_harness::http::{get, metric, metric_value};
 use shardgate_harness::routes::one_node_per_shard;
 use shardgate_harness::valkey::Standalone;
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
@@ -63,7 +63,7 @@ fn closed(s: &mut TcpStream, within: Duration) -> bool {
 
 fn sample(p: &ProxyHandle, name: &str) -> f64 {
     let (_, m) = get(p.admin_addr().unwrap(), "/metrics").unwrap();
-    metric(&m, name).unwrap_or(0.0)
+    metric_value(&m, name).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use redis::AsyncCommands;
 use shardgate_crds::{NodeRef, PortLayout};
 use shardgate_harness::addr::free_port_range;
 use shardgate_harness::clients::{cli, cluster_client, spread_keys};
-use shardgate_harness::http::{get, metric};
+use shardgate_harness::http::{get, metric_value};
 use shardgate_harness::routes::{announce_proxy, routes_yaml};
 use shardgate_harness::valkey::{hash_tag_for_slot, key_slot, ClusterSpec, Restart, ValkeyCluster};
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
@@ -69,11 +69,11 @@ impl Fixture {
     }
 
     fn accepted(&self, port: u16) -> f64 {
-        metric(
+        metric_value(
             &self.metrics(),
             &format!("shardgate_proxy_connections_accepted_total{{port=\"{port}\"}}"),
         )
-        .unwrap_or(0.0)
+        .unwrap()
     }
 }
 
@@ -175,14 +175,14 @@ async fn a_rust_cluster_client_does_10000_set_get_over_all_slots_through_the_pro
         assert!(f.accepted(port) >= 1.0, "no connection through port {port}");
     }
     let m = f.metrics();
-    let sent = metric(
+    let sent = metric_value(
         &m,
         &format!(
             "shardgate_proxy_bytes_total{{port=\"{}\",direction=\"to_backend\"}}",
             f.port(NodeRef::new(2, 0))
         ),
     )
-    .unwrap_or(0.0);
+    .unwrap();
     assert!(
         sent > 10_000.0,
         "shard 2 got only {sent} bytes through the proxy"

@@ -17,7 +17,7 @@ use redis::AsyncCommands;
 use shardgate_crds::{node_hostname, Hostnames, NodeRef};
 use shardgate_harness::addr::{free_port, free_port_range};
 use shardgate_harness::clients::{cli, spread_keys};
-use shardgate_harness::http::{get, metric};
+use shardgate_harness::http::{get, metric, metric_value};
 use shardgate_harness::stunnel::Stunnel;
 use shardgate_harness::tls::{self as ttls, command, text, CertPair, TestPki};
 use shardgate_harness::valkey::{key_slot, slot_tags, ClusterSpec, Standalone, ValkeyCluster};
@@ -98,7 +98,7 @@ impl TlsProxy {
     }
 
     fn metric(&self, sample: &str) -> f64 {
-        metric(&get(self.admin, "/metrics").unwrap().1, sample).unwrap_or(0.0)
+        metric_value(&get(self.admin, "/metrics").unwrap().1, sample).unwrap()
     }
 
     fn refused(&self, reason: &str) -> f64 {

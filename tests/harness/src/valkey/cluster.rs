@@ -477,6 +477,48 @@ impl ValkeyCluster {
         node::kill(&mut self.node(pos).lock());
     }
 
+    /// Pauses writes on primary `pos` (`CLIENT PAUSE <pause> WRITE`: writers wait, nothing
+    /// fails) and waits until every replica has acknowledged its whole replication stream,
+    /// so a [`kill`](Self::kill) right after loses no write the primary acknowledged: what a
+    /// forced failover may lose to asynchronous replication is Valkey's, not a proxy's.
+    pub fn pause_writes_until_replicated(&self, pos: NodeRef, pause: Duration) -> Result<()> {
+        let node = self.node(pos);
+        node.query::<()>(&["CLIENT", "PAUSE", &pause.as_millis().to_string(), "WRITE"])?;
+        self.wait_for(
+            &format!("the replicas of node {pos} to catch up"),
+            pause,
+            || {
+                let info: String = match node.query(&["INFO", "replication"]) {
+                    Ok(info) => info,
+                    Err(e) => return vec![format!("{e:#}")],
+                };
+                let head = info
+                    .lines()
+                    .find_map(|l| l.trim_end().strip_prefix("master_repl_offset:"))
+                    .unwrap_or("?")
+                    .to_string();
+                let replicas: Vec<&str> = info
+                    .lines()
+                    .filter(|l| l.starts_with("slave") && l.contains("offset="))
+                    .collect();
+                let mut problems = Vec::new();
+                if replicas.is_empty() {
+                    problems.push(format!("node {pos} has no replica"));
+                }
+                for r in replicas {
+                    let offset = r
+                        .split(',')
+                        .find_map(|f| f.strip_prefix("offset="))
+                        .unwrap_or("?");
+                    if offset != head {
+                        problems.push(format!("{} behind master_repl_offset {head}", r.trim()));
+                    }
+                }
+                problems
+            },
+        )
+    }
+
     /// Stops node `pos` gracefully with `SHUTDOWN` (the AOF is flushed). Returns once the
     /// process has exited; does not wait for the cluster to settle.
     pub fn stop(&self, pos: NodeRef) -> Result<()> {

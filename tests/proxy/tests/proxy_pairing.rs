@@ -1,0 +1,363 @@
+//! Pairing exactly as Valkey pairs, or not at all (issue 12): scripts sent to a real Valkey
+//! node directly and through the rewriting proxy give the same bytes, once the direct
+//! transcript's internal addresses are mapped to the proxy's. The scripts are the inputs
+//! that desynchronised the pairing: inline commands with quotes; commands Valkey rejects
+//! (`CLIENT REPLY` with the wrong arity or inside MULTI, `MULTI x`, `EXEC x`,
+//! `DISCARD x`); RESP3 arrays on a subscribed connection that look like pub/sub frames;
+//! unsubscribing from everything with mixed subscriptions. And where a pairing is still
+//! wrong, a stored value is never rewritten: a reply is rebuilt only in its command's
+//! exact shape.
+
+use std::borrow::Cow;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardgate_crds::{NodeRef, PortLayout};
+use shardgate_harness::addr::free_port_range;
+use shardgate_harness::http::{get, metric};
+use shardgate_harness::valkey::{hash_tag_for_slot, ClusterSpec, ValkeyCluster};
+use shardgate_proxy::model::Backend;
+use shardgate_proxy::resp::frame::{encode, parse, Frame};
+use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::task::block_in_place;
+
+const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+/// Two primaries behind a rewriting proxy; the scripts go to the first, and their keys
+/// and channels are in its slots.
+struct Fixture {
+    cluster: Arc<ValkeyCluster>,
+    _proxy: ProxyHandle,
+    layout: PortLayout,
+    admin: SocketAddr,
+}
+
+impl Fixture {
+    async fn start() -> Fixture {
+        let cluster =
+            Arc::new(block_in_place(|| ValkeyCluster::start(ClusterSpec::new(2, 0))).unwrap());
+        let port = free_port_range(LO, 2);
+        let layout = PortLayout::new(u32::from(port), 2, 0, None).unwrap();
+        let mut config = ProxyConfig::new(SourceConfig::Seed {
+            seeds: vec![Backend::ip(cluster.node(NodeRef::new(0, 0)).addr())],
+            base_port: port,
+            ports_per_shard: None,
+            refresh: Duration::from_secs(10),
+        });
+        config.listen_ip = LO.into();
+        config.admin_addr = Some(SocketAddr::from((LO, 0)));
+        config.rewrite = true;
+        config.advertise_host = Some("127.0.0.1".into());
+        config.drain_timeout = Duration::from_millis(200);
+        let proxy = Proxy::start(config).await.unwrap();
+        assert!(proxy.wait_ready(Duration::from_secs(10)).await);
+        let admin = proxy.admin_addr().unwrap();
+        Fixture {
+            cluster,
+            _proxy: proxy,
+            layout,
+            admin,
+        }
+    }
+
+    /// `name` in the first node's slots.
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", hash_tag_for_slot(0))
+    }
+
+    /// A script with each `@name` made a key in the first node's slots.
+    fn keys(&self, script: &str) -> Vec<u8> {
+        script.replace('@', &hash_tag_for_slot(0)).into_bytes()
+    }
+
+    fn node(&self) -> SocketAddr {
+        self.cluster.node(NodeRef::new(0, 0)).addr()
+    }
+
+    fn metric(&self, sample: &str) -> f64 {
+        metric(&get(self.admin, "/metrics").unwrap().1, sample).unwrap_or(0.0)
+    }
+
+    fn set(&self, key: &str, value: &str) {
+        let node = self.cluster.node(NodeRef::new(0, 0));
+        let _: () = block_in_place(|| node.query(&["SET", key, value])).unwrap();
+    }
+
+    fn cluster_nodes(&self) -> String {
+        let node = self.cluster.node(NodeRef::new(0, 0));
+        block_in_place(|| node.query(&["CLUSTER", "NODES"])).unwrap()
+    }
+
+    /// The script's transcript directly and through the proxy.
+    async fn both(&self, script: &[u8]) -> (Vec<u8>, Vec<u8>) {
+        let direct = transcript(self.node(), script).await;
+        let port = self.layout.port(NodeRef::new(0, 0)).unwrap();
+        let proxied = transcript(SocketAddr::from((LO, port)), script).await;
+        (direct, proxied)
+    }
+
+    /// Requires the two transcripts to be the same frames, byte for byte, once the direct
+    /// one's internal address is mapped to the proxy's listener everywhere but in the
+    /// stored `values` (and the connection ids in HELLO replies are set aside).
+    fn assert_same(&self, script: &[u8], values: &[String], direct: &[u8], proxied: &[u8]) {
+        let mapping = Mapping {
+            nodes: (0..2)
+                .map(|s| {
+                    let n = NodeRef::new(s, 0);
+                    (self.cluster.node(n).addr(), self.layout.port(n).unwrap())
+                })
+                .collect(),
+            values,
+        };
+        let (d, p) = (frames(direct), frames(proxied));
+        let show = |b: &[u8]| b.escape_ascii().to_string();
+        assert_eq!(
+            d.len(),
+            p.len(),
+            "{}\ndirect:  {}\nproxied: {}",
+            show(script),
+            show(direct),
+            show(proxied)
+        );
+        for (d, p) in d.iter().zip(&p) {
+            let mut want = parse(d).unwrap().0;
+            normalise(&mut want, Some(&mapping));
+            let mut got = parse(p).unwrap().0;
+            // The proxy's bytes: the stored values and times are set aside the same way,
+            // and no address is mapped.
+            let unmapped = Mapping {
+                nodes: vec![],
+                values,
+            };
+            normalise(&mut got, Some(&unmapped));
+            let (mut w, mut g) = (vec![], vec![]);
+            encode(&want, &mut w);
+            encode(&got, &mut g);
+            assert_eq!(
+                show(&w),
+                show(&g),
+                "script {}\ndirect frame {}",
+                show(script),
+                show(d)
+            );
+        }
+    }
+}
+
+/// Writes `script` at once, then reads until the server has been quiet for a while.
+async fn transcript(addr: SocketAddr, script: &[u8]) -> Vec<u8> {
+    // A listener is bound right after the route table that names it is published.
+    let mut tries = 0;
+    let mut s = loop {
+        match TcpStream::connect(addr).await {
+            Ok(s) => break s,
+            Err(e) if tries < 50 => {
+                tries += 1;
+                tracing_free_sleep(e).await;
+            }
+            Err(e) => panic!("connecting to {addr}: {e}"),
+        }
+    };
+    s.set_nodelay(true).unwrap();
+    s.write_all(script).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_millis(700), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Err(_) => return out,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => panic!("reading from {addr}: {e}"),
+        }
+    }
+}
+
+async fn tracing_free_sleep(_why: std::io::Error) {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// The transcript cut into whole frames.
+fn frames(mut bytes: &[u8]) -> Vec<&[u8]> {
+    let mut out = vec![];
+    while !bytes.is_empty() {
+        let (_, n) = parse(bytes).unwrap_or_else(|e| panic!("{e}: {}", bytes.escape_ascii()));
+        out.push(&bytes[..n]);
+        bytes = &bytes[n..];
+    }
+    out
+}
+
+/// How the direct transcript is mapped to what the proxy must send.
+struct Mapping<'v> {
+    /// Each node's internal address and its listener port.
+    nodes: Vec<(SocketAddr, u16)>,
+    /// Stored values, which are never mapped: a value goes out as it is.
+    values: &'v [String],
+}
+
+/// Sets what differs between two calls to 0 (HELLO's connection `id`, the ping and pong
+/// times of CLUSTER NODES lines) and, with `mapping`, maps each node's internal address to
+/// its listener on the proxy in every string but the stored values (`ip:port`, or the IP
+/// alone as CLUSTER SLOTS gives it, with its port as the next integer).
+fn normalise(f: &mut Frame<'_>, mapping: Option<&Mapping<'_>>) {
+    match f {
+        Frame::Bulk(b) | Frame::Simple(b) | Frame::Error(b) | Frame::Verbatim(b) => {
+            let mut text = String::from_utf8_lossy(b).into_owned();
+            let body = text.strip_prefix("txt:").unwrap_or(&text);
+            if mapping.is_some_and(|m| m.values.iter().any(|v| v.as_str() == body)) {
+                return;
+            }
+            for (internal, port) in mapping.map(|m| m.nodes.as_slice()).unwrap_or_default() {
+                if text == internal.ip().to_string() {
+                    text = "127.0.0.1".into();
+                } else {
+                    text = text.replace(&internal.to_string(), &format!("127.0.0.1:{port}"));
+                }
+            }
+            *b = Cow::Owned(zero_times(&text).into_bytes());
+        }
+        Frame::Array(_, items) => {
+            let mut port_next: Option<(SocketAddr, u16)> = None;
+            for item in items.iter_mut() {
+                if let (Some((internal, port)), Frame::Int(d)) = (port_next, &mut *item) {
+                    if d.as_ref() == internal.port().to_string().as_bytes() {
+                        *d = Cow::Owned(port.to_string().into_bytes());
+                    }
+                }
+                port_next = mapping.and_then(|m| {
+                    m.nodes
+                        .iter()
+                        .copied()
+                        .find(|(a, _)| item.as_bytes() == Some(a.ip().to_string().as_bytes()))
+                });
+                normalise(item, mapping);
+            }
+        }
+        Frame::Map(pairs) => {
+            for (k, v) in pairs.iter_mut() {
+                if k.as_bytes() == Some(b"id") && matches!(v, Frame::Int(_)) {
+                    *v = Frame::Int(Cow::Borrowed(b"0"));
+                }
+                normalise(k, mapping);
+                normalise(v, mapping);
+            }
+        }
+        Frame::Attribute(_, inner) => normalise(inner, mapping),
+        _ => {}
+    }
+}
+
+/// CLUSTER NODES lines with their ping and pong times set to 0.
+fn zero_times(text: &str) -> String {
+    text.split('\n')
+        .map(|line| {
+            let mut f: Vec<&str> = line.split(' ').collect();
+            if f.len() >= 8 && f[0].trim_start_matches("txt:").len() == 40 {
+                f[4] = "0";
+                f[5] = "0";
+            }
+            f.join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_valkey_rejects_change_no_pairing_state() {
+    let f = Fixture::start().await;
+    // Stored values that a wrong pairing would take for topology: a CLUSTER NODES text of
+    // the exact shape (only exact pairing protects that one), and a redirect.
+    let nodes = f.cluster_nodes().replace("myself,", "");
+    f.set(&f.key("nodes"), &nodes);
+    f.set(&f.key("moved"), &format!("MOVED 1 {}", f.node()));
+    let scripts: [&str; 10] = [
+        // Wrong arity or syntax: an error, and every later command is answered.
+        "CLIENT REPLY SKIP x\r\nGET @nodes\r\nPING\r\nCLUSTER NODES\r\nGET @moved\r\nCLUSTER SLOTS\r\n",
+        "CLIENT REPLY OFF x\r\nGET @nodes\r\nCLUSTER NODES\r\nCLIENT REPLY\r\nGET @nodes\r\nCLUSTER SLOTS\r\n",
+        "CLIENT REPLY MAYBE\r\nGET @nodes\r\nCLUSTER NODES\r\nGET @moved\r\n",
+        // `MULTI x` starts nothing; `DISCARD x` inside a transaction ends nothing, `EXEC x`
+        // aborts it.
+        "MULTI x\r\nGET @nodes\r\nCLUSTER NODES\r\nEXEC\r\nCLUSTER SLOTS\r\n",
+        "MULTI\r\nGET @nodes\r\nEXEC x\r\nCLUSTER NODES\r\nEXEC\r\nGET @nodes\r\nCLUSTER SLOTS\r\n",
+        "MULTI\r\nGET @nodes\r\nDISCARD x\r\nCLUSTER NODES\r\nEXEC\r\nMULTI\r\nDISCARD x\r\nCLUSTER SLOTS\r\nDISCARD\r\nCLUSTER NODES\r\n",
+        // CLIENT REPLY inside MULTI is refused, and EXEC aborts.
+        "MULTI\r\nCLIENT REPLY SKIP\r\nGET @nodes\r\nEXEC\r\nGET @nodes\r\nCLUSTER NODES\r\nMULTI\r\nCLIENT REPLY OFF\r\nEXEC\r\nGET @nodes\r\nCLUSTER SLOTS\r\n",
+        // Unsubscribing from everything: Valkey counts channels and patterns together and
+        // shard channels apart, and answers once with a NULL channel when none is left.
+        "SUBSCRIBE a b\r\nPSUBSCRIBE p*\r\nSSUBSCRIBE @s\r\nUNSUBSCRIBE\r\nPUNSUBSCRIBE\r\nSUNSUBSCRIBE\r\nUNSUBSCRIBE\r\nGET\r\nCLUSTER NODES\r\nGET @nodes\r\nCLUSTER SLOTS\r\n",
+        // Inline commands split as Valkey splits them: quotes, escapes, quotes glued on.
+        "CLIENT \"REPLY\" 'OFF'\r\nGET @nodes\r\nCLIENT REPLY ON\r\nCLUSTER NODES\r\nGET @nodes\r\n\"CLUSTER\" n\"od\"'es'\r\nGET @nodes\r\nCLIENT \"re\\x70ly\" skip\r\nCLUSTER NODES\r\nGET @nodes\r\n",
+        // The accepted forms, for contrast.
+        "CLIENT REPLY SKIP\r\nCLUSTER NODES\r\nGET @nodes\r\nCLIENT REPLY OFF\r\nCLUSTER SLOTS\r\nCLIENT REPLY SKIP\r\nCLIENT REPLY ON\r\nMULTI\r\nGET @nodes\r\nCLUSTER NODES\r\nEXEC\r\nCLUSTER SLOTS\r\n",
+    ];
+    let values = [nodes.clone(), format!("MOVED 1 {}", f.node())];
+    for script in scripts {
+        let script = f.keys(script);
+        let (direct, proxied) = f.both(&script).await;
+        f.assert_same(&script, &values, &direct, &proxied);
+    }
+    assert_eq!(
+        f.metric("shardgate_proxy_rewrite_skipped_total{reason=\"not_cluster_nodes\"}"),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resp3_arrays_on_a_subscribed_connection_are_replies() {
+    let f = Fixture::start().await;
+    let node = f.cluster.node(NodeRef::new(0, 0));
+    let _: () = block_in_place(|| {
+        node.query::<()>(&["RPUSH", &f.key("words"), "message", "ch", "x"])?;
+        node.query::<()>(&["RPUSH", &f.key("confirm"), "subscribe", "ch", "1"])?;
+        node.query::<()>(&["RPUSH", &f.key("pmsg"), "pmessage", "p*", "ch", "x"])
+    })
+    .unwrap();
+    let script = f.keys("HELLO 3\r\nSUBSCRIBE ch\r\nLRANGE @words 0 -1\r\nCLUSTER SLOTS\r\nLRANGE @confirm 0 -1\r\nCLUSTER NODES\r\nPSUBSCRIBE p*\r\nLRANGE @pmsg 0 -1\r\nCLUSTER SHARDS\r\nECHO message\r\nPING\r\nUNSUBSCRIBE\r\nPUNSUBSCRIBE\r\nLRANGE @words 0 -1\r\nCLUSTER SLOTS\r\n");
+    let script = script.as_slice();
+    let (direct, proxied) = f.both(script).await;
+    // CLUSTER SHARDS carries offsets and health that may differ between two calls: it is
+    // checked for internal addresses only.
+    let shards_at = |t: &[u8]| frames(t).iter().position(|fr| fr.starts_with(b"*2\r\n%"));
+    let cut = |t: &[u8]| -> Vec<u8> {
+        let fr = frames(t);
+        let at = shards_at(t).unwrap_or(usize::MAX);
+        fr.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != at)
+            .flat_map(|(_, b)| b.to_vec())
+            .collect()
+    };
+    assert!(
+        !String::from_utf8_lossy(&proxied).contains(&f.node().ip().to_string()),
+        "internal address through the proxy: {}",
+        proxied.escape_ascii()
+    );
+    f.assert_same(script, &[], &cut(&direct), &cut(&proxied));
+}
+
+/// Where the pairing is still wrong (`CLIENT REPLY SKIP` on a RESP2 subscribed connection,
+/// which Valkey refuses there), a stored value paired with CLUSTER NODES is not rewritten:
+/// it is not a CLUSTER NODES reply in shape, and goes out byte for byte, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_paired_with_a_topology_command_is_never_rewritten() {
+    let f = Fixture::start().await;
+    let nodes = f.cluster_nodes();
+    let value = format!("{nodes}MOVED 1 {}\n", f.node());
+    f.set(&f.key("nodes"), &value);
+    let script = f.keys(
+        "SUBSCRIBE ch\r\nCLIENT REPLY SKIP\r\nUNSUBSCRIBE ch\r\nGET @nodes\r\nCLUSTER NODES\r\n",
+    );
+    let (direct, proxied) = f.both(&script).await;
+    let (d, p) = (frames(&direct), frames(&proxied));
+    assert_eq!(d.len(), 5, "{}", direct.escape_ascii());
+    assert_eq!(p.len(), 5, "{}", proxied.escape_ascii());
+    // The GET's value, unchanged.
+    assert_eq!(d[3], p[3]);
+    assert!(d[3].ends_with(format!("MOVED 1 {}\n\r\n", f.node()).as_bytes()));
+    assert_eq!(
+        f.metric("shardgate_proxy_rewrite_skipped_total{reason=\"not_cluster_nodes\"}"),
+        1.0
+    );
+}
