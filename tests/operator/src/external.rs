@@ -213,7 +213,15 @@ pub async fn only_external_addresses(
     let pods = pod_addrs(client, ns, "vc").await?;
     let pod_ips: std::collections::BTreeSet<String> =
         pods.values().map(|a| a.ip().to_string()).collect();
-    topology_names_only(seeds[0], &external_addrs, &pod_ips).await
+    // Ready says every node is in place; the seed's view of the others may still be a
+    // gossip round behind (a replica not yet listed): wait for the whole view, which must
+    // then name only external addresses.
+    eventually(
+        "the topology seen from outside",
+        Duration::from_secs(30),
+        || topology_names_only(seeds[0], &external_addrs, &pod_ips),
+    )
+    .await
 }
 
 /// CLUSTER SLOTS, CLUSTER NODES and CLUSTER SHARDS asked at `seed` name only addresses of

@@ -1267,15 +1267,24 @@ async fn announce_hostnames(env: TestEnv) -> Result<()> {
     let seeds = bootstrap_seeds(&vc)?;
 
     // CLUSTER SLOTS names every node by hostname, at its external port; MOVED does too.
-    let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
-        .get_multiplexed_async_connection()
-        .await?;
-    let slots: redis::Value = redis::cmd("CLUSTER")
-        .arg("SLOTS")
-        .query_async(&mut direct)
-        .await?;
-    let named = slot_addresses(&slots)?;
-    ensure!(named.len() == 4, "CLUSTER SLOTS names {named:?}");
+    // The seed's view may be a gossip round behind Ready: wait until it lists every node.
+    let named = eventually(
+        "CLUSTER SLOTS with every node",
+        Duration::from_secs(30),
+        || async {
+            let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
+                .get_multiplexed_async_connection()
+                .await?;
+            let slots: redis::Value = redis::cmd("CLUSTER")
+                .arg("SLOTS")
+                .query_async(&mut direct)
+                .await?;
+            let named = slot_addresses(&slots)?;
+            ensure!(named.len() == 4, "CLUSTER SLOTS names {named:?}");
+            Ok(named)
+        },
+    )
+    .await?;
     for a in &named {
         let (host, port) = a.rsplit_once(':').context("host:port")?;
         ensure!(
