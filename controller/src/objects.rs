@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -37,6 +37,34 @@ pub fn node_labels(vc: &ValkeyCluster, node: NodeRef) -> BTreeMap<String, String
 /// The label selector of every pod of `vc`.
 pub fn cluster_selector(vc: &ValkeyCluster) -> String {
     labels::cluster_selector(&vc.name_any())
+}
+
+/// Deletes `vc`'s external-access objects of `api`'s kind (labelled
+/// [`labels::COMPONENT_EXTERNAL`]) whose names are not in `keep`; returns their names.
+pub async fn delete_external_except<K>(
+    api: &Api<K>,
+    vc: &ValkeyCluster,
+    keep: &std::collections::BTreeSet<String>,
+) -> Result<Vec<String>>
+where
+    K: Resource + Clone + Debug + DeserializeOwned,
+{
+    let selector = format!(
+        "{},{}={}",
+        cluster_selector(vc),
+        labels::COMPONENT,
+        labels::COMPONENT_EXTERNAL
+    );
+    let mut deleted = Vec::new();
+    for obj in api.list(&ListParams::default().labels(&selector)).await? {
+        let name = obj.name_any();
+        if keep.contains(&name) || obj.meta().deletion_timestamp.is_some() {
+            continue;
+        }
+        api.delete(&name, &DeleteParams::default()).await?;
+        deleted.push(name);
+    }
+    Ok(deleted)
 }
 
 /// The controller owner reference to `vc`, so that its children are garbage-collected with

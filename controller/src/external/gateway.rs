@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gateway_api::experimental::gateways::Gateway;
 use gateway_api::experimental::tcproutes::TcpRoute;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::Api;
 use kube::discovery::{self, ApiResource};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -24,7 +24,7 @@ use shardgate_crds::NodeRef;
 use super::Exposures;
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::objects::{apply, build, cluster_labels, cluster_selector, namespace, owner};
+use crate::objects::{apply, build, cluster_labels, delete_external_except, namespace, owner};
 
 /// The Gateway API group.
 pub const GROUP: &str = "gateway.networking.k8s.io";
@@ -221,21 +221,7 @@ pub async fn apply_routes(
         applied.push(apply(&api, route).await?);
     }
     let wanted: BTreeSet<String> = routes.iter().map(ResourceExt::name_any).collect();
-    let selector = format!(
-        "{},{}={}",
-        cluster_selector(vc),
-        labels::COMPONENT,
-        labels::COMPONENT_EXTERNAL
-    );
-    let mut deleted = Vec::new();
-    for route in api.list(&ListParams::default().labels(&selector)).await? {
-        let name = route.name_any();
-        if wanted.contains(&name) || route.metadata.deletion_timestamp.is_some() {
-            continue;
-        }
-        api.delete(&name, &DeleteParams::default()).await?;
-        deleted.push(name);
-    }
+    let deleted = delete_external_except(&api, vc, &wanted).await?;
     let Some((_, g)) = gateway else {
         return Ok((None, deleted));
     };

@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams};
 use kube::ResourceExt;
 use serde_json::json;
 use shardgate_crds::external_access::{ExternalAccess, ServiceLayout, ServiceType};
@@ -29,7 +29,7 @@ use tracing::warn;
 use crate::configmap::CLIENT_PORT;
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::objects::{apply, build, cluster_labels, cluster_selector, namespace, owner};
+use crate::objects::{apply, build, cluster_labels, delete_external_except, namespace, owner};
 
 /// Where one node is exposed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -290,21 +290,7 @@ pub async fn apply_services(
         }
         names.insert(name);
     }
-    let selector = format!(
-        "{},{}={}",
-        cluster_selector(vc),
-        labels::COMPONENT,
-        labels::COMPONENT_EXTERNAL
-    );
-    let mut deleted = Vec::new();
-    for svc in api.list(&ListParams::default().labels(&selector)).await? {
-        let name = svc.name_any();
-        if names.contains(&name) || svc.metadata.deletion_timestamp.is_some() {
-            continue;
-        }
-        api.delete(&name, &DeleteParams::default()).await?;
-        deleted.push(name);
-    }
+    let deleted = delete_external_except(&api, vc, &names).await?;
     Ok((exposures, deleted))
 }
 
