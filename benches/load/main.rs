@@ -1,0 +1,460 @@
+//! The load-comparison harness: shardgate against Valkey direct, HAProxy `mode tcp`, nginx
+//! `stream` and Traefik's TCP router, in one run on one machine, interleaved.
+//!
+//! ```sh
+//! scripts/bench-load                 # 5 rounds, writes docs/performance.{md,png}
+//! scripts/bench-load --quick         # 1 round, fewer requests, 2,000 idle connections
+//! scripts/bench-load --rounds 3 --threads 1 --out /tmp/perf
+//! ```
+//!
+//! Every data plane is a separate process in front of the same standalone Valkey 9 (and a
+//! 3-shard cluster for the cluster workloads), started once and kept for the run; each
+//! proxy runs once on one worker thread and once on two. Each round runs every workload
+//! against every data plane in turn (the order rotates from round to round), so that drift
+//! on a shared machine spreads over all of them; the report gives the median over rounds and
+//! the spread (min–max). A data plane's CPU per request is its processes' CPU time (user +
+//! system, from their threads' `schedstat`, nginx's workers included) over the workload
+//! divided by the requests; its memory per idle connection is the growth of a fresh
+//! instance's RSS with N connections open, each answered one PING.
+
+mod chart;
+mod loadgen;
+mod peers;
+mod proc_stat;
+mod redis_benchmark;
+mod report;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use shardgate_harness::valkey::{ClusterSpec, Standalone, ValkeyCluster};
+
+use peers::{Kind, Peer, RouteSpec};
+use report::Sample;
+
+/// How big a run is.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub rounds: usize,
+    pub threads: Vec<u8>,
+    /// Requests per redis-benchmark run at pipeline 1 (3 B and 1 KiB values).
+    pub requests_p1: u64,
+    /// At pipeline 16.
+    pub requests_p16: u64,
+    /// With 64 KiB values.
+    pub requests_64k: u64,
+    /// One client's GETs for the latency histogram.
+    pub requests_latency: u64,
+    /// Connections opened for connection churn.
+    pub requests_churn: u64,
+    /// Requests per redis-benchmark `--cluster` run: more than at P1, since its runs come out
+    /// in steps of about 250 ms (short runs read as 80k, 40k or 27k requests/s).
+    pub requests_cluster: u64,
+    /// Requests of the redirect-following cluster client.
+    pub requests_moved: u64,
+    /// Idle connections held open for the memory figure.
+    pub idle: usize,
+    pub out: PathBuf,
+    pub note: Option<String>,
+    /// The run's harness directory and standalone Valkey, once started.
+    pub dir: Option<PathBuf>,
+    pub backend: Option<SocketAddr>,
+    /// Why fewer idle connections than asked, if so.
+    pub idle_note: Option<String>,
+    pub quick: bool,
+}
+
+impl Settings {
+    fn parse(args: &[String]) -> Result<Settings> {
+        let quick = args.iter().any(|a| a == "--quick");
+        let mut s = if quick {
+            Settings {
+                rounds: 1,
+                threads: vec![1, 2],
+                requests_p1: 10_000,
+                requests_p16: 50_000,
+                requests_64k: 1_000,
+                requests_latency: 5_000,
+                requests_churn: 2_000,
+                requests_cluster: 20_000,
+                requests_moved: 6_000,
+                idle: 2_000,
+                out: default_out(),
+                note: None,
+                dir: None,
+                backend: None,
+                idle_note: None,
+                quick,
+            }
+        } else {
+            Settings {
+                rounds: 5,
+                threads: vec![1, 2],
+                requests_p1: 20_000,
+                requests_p16: 300_000,
+                requests_64k: 2_000,
+                requests_latency: 10_000,
+                requests_churn: 4_000,
+                requests_cluster: 100_000,
+                requests_moved: 10_000,
+                idle: 10_000,
+                out: default_out(),
+                note: None,
+                dir: None,
+                backend: None,
+                idle_note: None,
+                quick,
+            }
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let mut value = || it.next().with_context(|| format!("{a} needs a value"));
+            match a.as_str() {
+                "--bench" | "--quick" => {}
+                "--rounds" => s.rounds = value()?.parse().context("--rounds")?,
+                "--idle" => s.idle = value()?.parse().context("--idle")?,
+                "--out" => s.out = PathBuf::from(value()?),
+                "--note" => s.note = Some(value()?.clone()),
+                "--threads" => {
+                    s.threads = value()?
+                        .split(',')
+                        .map(|t| t.parse().context("--threads: e.g. 1,2"))
+                        .collect::<Result<_>>()?
+                }
+                other => bail!(
+                    "unknown argument {other:?}; use --quick, --rounds N, --threads 1,2, \
+                     --idle N, --out DIR, --note TEXT"
+                ),
+            }
+        }
+        if s.rounds == 0 || s.threads.is_empty() {
+            bail!("--rounds and --threads must not be empty");
+        }
+        Ok(s)
+    }
+}
+
+fn default_out() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs")
+}
+
+/// What a workload sends.
+#[derive(Clone, Debug)]
+enum Load {
+    Benchmark(redis_benchmark::Run),
+    Latency,
+    Churn,
+    Idle,
+    Moved,
+}
+
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub name: String,
+    load: Load,
+    /// Against the cluster's data planes (else the standalone's).
+    pub cluster: bool,
+}
+
+fn workloads(s: &Settings) -> Vec<Workload> {
+    let bench = |name: &str, test, requests, pipeline, value_size, cluster| Workload {
+        name: name.to_string(),
+        load: Load::Benchmark(redis_benchmark::Run {
+            test,
+            clients: 50,
+            requests,
+            pipeline,
+            value_size,
+            cluster,
+        }),
+        cluster,
+    };
+    let own = |name: &str, load, cluster| Workload {
+        name: name.to_string(),
+        load,
+        cluster,
+    };
+    // SET before GET of the same size: every data plane's GET then reads that value.
+    vec![
+        bench("SET P1", "set", s.requests_p1, 1, 3, false),
+        bench("GET P1", "get", s.requests_p1, 1, 3, false),
+        bench("SET P16", "set", s.requests_p16, 16, 3, false),
+        bench("GET P16", "get", s.requests_p16, 16, 3, false),
+        bench("SET 1 KiB", "set", s.requests_p1, 1, 1024, false),
+        bench("GET 1 KiB", "get", s.requests_p1, 1, 1024, false),
+        bench("SET 64 KiB", "set", s.requests_64k, 1, 65536, false),
+        bench("GET 64 KiB", "get", s.requests_64k, 1, 65536, false),
+        own("GET 1 client", Load::Latency, false),
+        own("GET churn", Load::Churn, false),
+        own("idle", Load::Idle, false),
+        bench("cluster SET", "set", s.requests_cluster, 1, 3, true),
+        bench("cluster GET", "get", s.requests_cluster, 1, 3, true),
+        own("cluster MOVED GET", Load::Moved, true),
+    ]
+}
+
+/// The key of the one-client and churn workloads, set once to a 3-byte value.
+const LATENCY_KEY: &str = "load:latency";
+
+fn measure(w: &Workload, peer: &Peer, s: &Settings, round: usize) -> Result<Option<Sample>> {
+    let cpu0 = peer.proc.map(|p| p.cpu_seconds());
+    let mut sample = Sample::new(&w.name, peer, round);
+    let requests = match &w.load {
+        Load::Benchmark(run) => {
+            let r = redis_benchmark::run(peer.addr, run)?;
+            sample.rps = Some(r.rps);
+            sample.p50_us = Some(r.p50_ms * 1000.0);
+            sample.p99_us = Some(r.p99_ms * 1000.0);
+            run.requests
+        }
+        Load::Latency => {
+            let o = loadgen::latency(peer.addr, LATENCY_KEY, s.requests_latency)?;
+            sample.rps = Some(o.rps());
+            sample.p50_us = o.p50_us;
+            sample.p99_us = o.p99_us;
+            o.requests
+        }
+        Load::Churn => {
+            let o = loadgen::churn(peer.addr, LATENCY_KEY, s.requests_churn, 4)?;
+            sample.rps = Some(o.rps());
+            o.requests
+        }
+        Load::Moved => {
+            let (o, redirects) = loadgen::moved(&peer.entries, s.requests_moved, 8)?;
+            // Round robin over 3 shards: about two thirds of the keys start on the wrong one.
+            if redirects < o.requests / 3 {
+                bail!(
+                    "{}: only {redirects} MOVED in {} requests",
+                    peer.name(),
+                    o.requests
+                );
+            }
+            sample.rps = Some(o.rps());
+            o.requests
+        }
+        Load::Idle => {
+            // A fresh process each round: memory that an allocator kept from an earlier
+            // round would hide the growth.
+            let Some(fresh) = fresh_peer(peer, s)? else {
+                return Ok(None);
+            };
+            let Some(proc) = fresh.proc else {
+                return Ok(None);
+            };
+            let before = proc.rss_bytes();
+            let after = loadgen::with_idle(fresh.addr, s.idle, || proc.rss_bytes())?;
+            sample.idle_bytes = Some((after as f64 - before as f64) / s.idle as f64);
+            return Ok(Some(sample));
+        }
+    };
+    if let (Some(p), Some(c0)) = (peer.proc, cpu0) {
+        sample.cpu_us = Some((p.cpu_seconds() - c0) / requests as f64 * 1e6);
+    }
+    Ok(Some(sample))
+}
+
+/// A new instance of a standalone data plane like `peer`, its files in `<run dir>/idle/`
+/// (apart from the long-lived one's, whose route file it must not overwrite); none for direct.
+fn fresh_peer(peer: &Peer, s: &Settings) -> Result<Option<Peer>> {
+    let (Some(dir), Some(backend)) = (&s.dir, s.backend) else {
+        bail!("the run's directory and backend are not set");
+    };
+    let dir = dir.join("idle");
+    std::fs::create_dir_all(&dir)?;
+    let t = peer.threads;
+    Ok(Some(match peer.kind {
+        Kind::Direct => return Ok(None),
+        Kind::Pass => Peer::shardgate(&dir, RouteSpec::Standalone(backend), false, t)?,
+        Kind::Rewrite => Peer::shardgate(&dir, RouteSpec::Standalone(backend), true, t)?,
+        Kind::Haproxy => Peer::haproxy(&dir, backend, t, s.idle + 200)?,
+        Kind::Nginx => Peer::nginx(&dir, backend, t, s.idle + 50)?,
+        Kind::Traefik => Peer::traefik(&dir, backend, t)?,
+    }))
+}
+
+/// Enough descriptors for the idle connections: ours, and (inherited) the data planes' and
+/// Valkey's. A proxy holds two per connection, so the idle count is cut to what the hard
+/// limit allows when it cannot be raised (no CAP_SYS_RESOURCE); the report says so.
+fn raise_nofile(settings: &mut Settings) -> Result<()> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let want = settings.idle as u64 * 2 + 1_500;
+    let cur = getrlimit(Resource::Nofile);
+    let raised = setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(want.max(cur.current.unwrap_or(0))),
+            maximum: Some(want.max(cur.maximum.unwrap_or(0))),
+        },
+    );
+    if raised.is_err() {
+        // As far as the hard limit goes.
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: cur.maximum,
+                maximum: cur.maximum,
+            },
+        )
+        .context("raising RLIMIT_NOFILE to its hard limit")?;
+    }
+    let now = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    if now < want {
+        let fits = (now.saturating_sub(1_500) / 2) as usize;
+        if fits < 100 {
+            bail!("RLIMIT_NOFILE is {now}: too low for the idle-connection workload");
+        }
+        eprintln!(
+            "load: RLIMIT_NOFILE cannot go past {now} here: {fits} idle connections instead of {}",
+            settings.idle
+        );
+        settings.idle_note = Some(format!(
+            "{fits} rather than {}: a proxy holds two descriptors per connection and \
+             RLIMIT_NOFILE's hard limit here is {now} (no CAP_SYS_RESOURCE to raise it)",
+            settings.idle
+        ));
+        settings.idle = fits;
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo test --benches` runs bench targets without --bench: nothing to measure then.
+    if !args.iter().any(|a| a == "--bench") {
+        println!("load bench: run it with scripts/bench-load (see its --help)");
+        return Ok(());
+    }
+    let mut settings = Settings::parse(&args)?;
+    raise_nofile(&mut settings)?;
+    let started = Instant::now();
+    let date = report::utc_now();
+    eprintln!("load: {settings:?}");
+
+    let dir = shardgate_harness::procs::new_root_dir("load")?;
+    let valkey = Standalone::start()?;
+    let backend = SocketAddr::from((Ipv4Addr::LOCALHOST, valkey.port));
+    // Every data plane's idle connections end at this Valkey, one data plane at a time; the
+    // headroom covers the previous data plane's connections still being closed.
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    let maxclients = (settings.idle as u64 * 2 + 1_000)
+        .min(nofile.saturating_sub(32))
+        .to_string();
+    {
+        let mut admin = loadgen::Conn::open(backend)?;
+        for cmd in [
+            &[&b"CONFIG"[..], b"SET", b"maxclients", maxclients.as_bytes()][..],
+            &[b"SET", LATENCY_KEY.as_bytes(), b"abc"],
+        ] {
+            if let loadgen::Reply::Error(e) = admin.call(cmd)? {
+                bail!("setting up the standalone Valkey: -{e}");
+            }
+        }
+    }
+    settings.dir = Some(dir.clone());
+    settings.backend = Some(backend);
+    let cluster = ValkeyCluster::start(ClusterSpec::new(3, 0))?;
+    for node in cluster.nodes() {
+        node.query::<String>(&["CONFIG", "SET", "maxclients", &maxclients])?;
+    }
+    let cluster_nodes: Vec<SocketAddr> = cluster.nodes().iter().map(|n| n.addr()).collect();
+
+    let mut standalone = vec![Peer::direct(backend, vec![])];
+    let mut clustered = vec![Peer::direct(cluster_nodes[0], cluster_nodes.clone())];
+    for &t in &settings.threads {
+        standalone.push(Peer::shardgate(
+            &dir,
+            RouteSpec::Standalone(backend),
+            false,
+            t,
+        )?);
+        standalone.push(Peer::shardgate(
+            &dir,
+            RouteSpec::Standalone(backend),
+            true,
+            t,
+        )?);
+        standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200)?);
+        standalone.push(Peer::nginx(&dir, backend, t, settings.idle + 50)?);
+        standalone.push(Peer::traefik(&dir, backend, t)?);
+        clustered.push(Peer::shardgate(
+            &dir,
+            RouteSpec::Cluster(&cluster),
+            true,
+            t,
+        )?);
+    }
+    eprintln!(
+        "load: {} data planes up in {:.1}s",
+        standalone.len() + clustered.len(),
+        started.elapsed().as_secs_f64()
+    );
+    // Warm every path (connections, allocator, JIT-free but cache-cold code) once.
+    let warm = redis_benchmark::Run {
+        test: "get",
+        clients: 50,
+        requests: 5_000,
+        pipeline: 1,
+        value_size: 3,
+        cluster: false,
+    };
+    for peer in &standalone {
+        redis_benchmark::run(peer.addr, &warm)?;
+    }
+
+    let loads = workloads(&settings);
+    let mut samples: Vec<Sample> = Vec::new();
+    for round in 0..settings.rounds {
+        let t = Instant::now();
+        for w in &loads {
+            let peers = if w.cluster { &clustered } else { &standalone };
+            // Rotate the order each round: no data plane always runs first after a change.
+            let n = peers.len();
+            for i in 0..n {
+                let peer = &peers[(i + round) % n];
+                let s = measure(w, peer, &settings, round)
+                    .with_context(|| format!("{} through {}", w.name, peer.name()))?;
+                if let Some(s) = s {
+                    eprintln!(
+                        "  round {round} {:<18} {:<26} {}",
+                        w.name,
+                        peer.name(),
+                        s.brief()
+                    );
+                    samples.push(s);
+                }
+            }
+        }
+        eprintln!(
+            "load: round {} of {} in {:.0}s",
+            round + 1,
+            settings.rounds,
+            t.elapsed().as_secs_f64()
+        );
+    }
+
+    let env = report::Environment::collect(&settings, &date, started.elapsed());
+    std::fs::create_dir_all(&settings.out)?;
+    if let Ok(out) = settings.out.canonicalize() {
+        settings.out = out;
+    }
+    let md = report::markdown(&env, &settings, &loads, &samples);
+    let md_path = settings.out.join("performance.md");
+    std::fs::write(&md_path, md).with_context(|| format!("writing {}", md_path.display()))?;
+    let png_path = settings.out.join("performance.png");
+    chart::draw(&png_path, &settings, &loads, &samples, &env)?;
+    std::fs::write(settings.out.join("performance.csv"), report::csv(&samples))?;
+    println!(
+        "load: wrote {} and {} ({:.0}s)",
+        md_path.display(),
+        png_path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    drop(standalone);
+    drop(clustered);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

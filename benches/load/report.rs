@@ -1,0 +1,595 @@
+//! The run's figures as markdown (`docs/performance.md`) and CSV: medians over rounds with
+//! their spread, each as a ratio to Valkey direct and to HAProxy on as many threads, and the
+//! machine and versions they were measured on.
+
+use std::fmt::Write as _;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::peers::{Kind, Peer};
+use crate::{Settings, Workload};
+
+/// One workload through one data plane in one round.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    pub workload: String,
+    pub peer: String,
+    pub threads: u8,
+    pub round: usize,
+    pub rps: Option<f64>,
+    pub cpu_us: Option<f64>,
+    pub p50_us: Option<f64>,
+    pub p99_us: Option<f64>,
+    pub idle_bytes: Option<f64>,
+}
+
+impl Sample {
+    pub fn new(workload: &str, peer: &Peer, round: usize) -> Sample {
+        Sample {
+            workload: workload.to_string(),
+            peer: peer.name(),
+            threads: peer.threads,
+            round,
+            rps: None,
+            cpu_us: None,
+            p50_us: None,
+            p99_us: None,
+            idle_bytes: None,
+        }
+    }
+
+    /// One line for the progress log.
+    pub fn brief(&self) -> String {
+        let mut s = String::new();
+        if let Some(v) = self.rps {
+            let _ = write!(s, "{v:>10.0} rps");
+        }
+        if let Some(v) = self.cpu_us {
+            let _ = write!(s, "  {v:>7.2} µs CPU/req");
+        }
+        if let (Some(a), Some(b)) = (self.p50_us, self.p99_us) {
+            let _ = write!(s, "  p50 {a:.0} µs p99 {b:.0} µs");
+        }
+        if let Some(v) = self.idle_bytes {
+            let _ = write!(s, "{v:>10.0} B/idle conn");
+        }
+        s
+    }
+}
+
+/// Median and spread over rounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Stat {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+pub fn stat(
+    samples: &[Sample],
+    workload: &str,
+    peer: &str,
+    metric: fn(&Sample) -> Option<f64>,
+) -> Option<Stat> {
+    let mut v: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.workload == workload && s.peer == peer)
+        .filter_map(metric)
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    Some(Stat {
+        median,
+        min: v[0],
+        max: v[n - 1],
+    })
+}
+
+/// The peers' names in table order for one thread count: direct, then the proxies.
+pub fn columns(threads: u8, cluster: bool) -> Vec<(Kind, String)> {
+    let kinds: &[Kind] = if cluster {
+        &[Kind::Rewrite]
+    } else {
+        &[
+            Kind::Pass,
+            Kind::Rewrite,
+            Kind::Haproxy,
+            Kind::Nginx,
+            Kind::Traefik,
+        ]
+    };
+    let mut cols = vec![(Kind::Direct, Kind::Direct.label().to_string())];
+    cols.extend(
+        kinds
+            .iter()
+            .map(|k| (*k, format!("{} ×{threads}", k.label()))),
+    );
+    cols
+}
+
+fn num(v: f64) -> String {
+    if v >= 100_000.0 {
+        format!("{:.0}k", v / 1000.0)
+    } else if v >= 10_000.0 {
+        format!("{:.1}k", v / 1000.0)
+    } else if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+fn spread(s: Stat, rounds: usize) -> String {
+    if rounds > 1 {
+        format!("{} ({}–{})", num(s.median), num(s.min), num(s.max))
+    } else {
+        num(s.median)
+    }
+}
+
+/// A ratio `a / b`, if both are there.
+fn ratio(a: Option<Stat>, b: Option<Stat>) -> Option<f64> {
+    Some(a?.median / b?.median)
+}
+
+/// The machine and versions, for the report's header.
+pub struct Environment {
+    pub lines: Vec<(String, String)>,
+}
+
+impl Environment {
+    pub fn collect(settings: &Settings, date: &str, took: Duration) -> Environment {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|c| {
+                c.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|m| m.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|k| k.trim().to_string())
+            .unwrap_or_default();
+        let tool = |env: &str, default: &str| -> String {
+            crate::peers::tool(env, default)
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_else(|_| default.to_string())
+        };
+        let valkey = shardgate_harness::tools::valkey_server()
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let bench = shardgate_harness::tools::redis_benchmark()
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let git = first_line(&[
+            "git",
+            "-C",
+            env!("CARGO_MANIFEST_DIR"),
+            "rev-parse",
+            "--short",
+            "HEAD",
+        ]);
+        let dirty = !first_line(&[
+            "git",
+            "-C",
+            env!("CARGO_MANIFEST_DIR"),
+            "status",
+            "--porcelain",
+        ])
+        .is_empty();
+        let lines = vec![
+            ("date (UTC)".into(), date.to_string()),
+            (
+                "run".into(),
+                format!(
+                    "{} round(s){}, {:.0} s; proxies on {} worker thread(s)",
+                    settings.rounds,
+                    if settings.quick { " (--quick)" } else { "" },
+                    took.as_secs_f64(),
+                    settings
+                        .threads
+                        .iter()
+                        .map(u8::to_string)
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                ),
+            ),
+            ("CPU".into(), format!("{cores} cores, {cpu}")),
+            ("kernel".into(), kernel),
+            (
+                "shardgate".into(),
+                format!(
+                    "{git}{} (release build)",
+                    if dirty { " + uncommitted changes" } else { "" }
+                ),
+            ),
+            ("Valkey".into(), first_line(&[&valkey, "--version"])),
+            ("redis-benchmark".into(), first_line(&[&bench, "--version"])),
+            (
+                "HAProxy".into(),
+                first_line(&[&tool("SHARDGATE_HAPROXY", "/usr/sbin/haproxy"), "-v"]),
+            ),
+            (
+                "nginx".into(),
+                first_line(&[&tool("SHARDGATE_NGINX", "/usr/sbin/nginx"), "-v"]),
+            ),
+            (
+                "Traefik".into(),
+                first_line(&[&tool("SHARDGATE_TRAEFIK", "traefik"), "version"])
+                    .replace("Version:", "")
+                    .trim()
+                    .to_string(),
+            ),
+            ("rustc".into(), first_line(&["rustc", "-V"])),
+        ];
+        Environment { lines }
+    }
+}
+
+/// The first line a command prints (stdout, else stderr: `nginx -v` writes there).
+fn first_line(cmd: &[&str]) -> String {
+    let Some((bin, args)) = cmd.split_first() else {
+        return String::new();
+    };
+    let Ok(out) = Command::new(bin).args(args).output() else {
+        return "unknown".into();
+    };
+    let text = if out.stdout.is_empty() {
+        out.stderr
+    } else {
+        out.stdout
+    };
+    String::from_utf8_lossy(&text)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// Now, as `2026-11-30 23:50`.
+pub fn utc_now() -> String {
+    first_line(&["date", "-u", "+%Y-%m-%d %H:%M"])
+}
+
+/// One table: a row per (label, workload, metric), a column per peer; `cell` formats a
+/// peer's figure given direct's and HAProxy's.
+fn table(
+    out: &mut String,
+    samples: &[Sample],
+    cols: &[(Kind, String)],
+    rows: &[Row<'_>],
+    cell: &dyn Fn(Stat, Option<Stat>, Option<Stat>) -> String,
+) {
+    let _ = write!(out, "| |");
+    for (_, name) in cols {
+        let _ = write!(out, " {name} |");
+    }
+    let _ = write!(out, "\n|---|");
+    for _ in cols {
+        let _ = write!(out, "---|");
+    }
+    out.push('\n');
+    let haproxy = cols
+        .iter()
+        .find(|(k, _)| *k == Kind::Haproxy)
+        .map(|(_, n)| n.clone());
+    for (label, workload, metric) in rows {
+        let direct = stat(samples, workload, Kind::Direct.label(), *metric);
+        let hap = haproxy
+            .as_ref()
+            .and_then(|h| stat(samples, workload, h, *metric));
+        let _ = write!(out, "| {label} |");
+        for (_, name) in cols {
+            match stat(samples, workload, name, *metric) {
+                Some(s) => {
+                    let _ = write!(out, " {} |", cell(s, direct, hap));
+                }
+                None => out.push_str(" — |"),
+            }
+        }
+        out.push('\n');
+    }
+    out.push('\n');
+}
+
+fn rps(s: &Sample) -> Option<f64> {
+    s.rps
+}
+fn cpu(s: &Sample) -> Option<f64> {
+    s.cpu_us
+}
+fn p50(s: &Sample) -> Option<f64> {
+    s.p50_us
+}
+fn p99(s: &Sample) -> Option<f64> {
+    s.p99_us
+}
+fn idle(s: &Sample) -> Option<f64> {
+    s.idle_bytes
+}
+
+pub fn markdown(
+    env: &Environment,
+    settings: &Settings,
+    loads: &[Workload],
+    samples: &[Sample],
+) -> String {
+    let rounds = settings.rounds;
+    let mut out = String::new();
+    out.push_str(
+        "# Performance: shardgate beside Valkey direct, HAProxy, nginx and Traefik\n\n\
+         Written by `scripts/bench-load` (the harness is `benches/load/`; the README's \
+         Performance section says how to run it). Every data plane is a separate process on \
+         loopback in front of the same standalone Valkey (a 3-shard cluster for the cluster \
+         rows); the workloads run interleaved, data plane after data plane, round after round. \
+         Cells are the median over rounds with the spread (min–max) in brackets. Quote the \
+         ratios, not the absolute numbers.\n\n",
+    );
+    if let Some(note) = &settings.note {
+        let _ = writeln!(out, "> **{note}**\n");
+    }
+    out.push_str("| | |\n|---|---|\n");
+    for (k, v) in &env.lines {
+        let _ = writeln!(out, "| {k} | {v} |");
+    }
+    out.push_str(
+        "\nWorkloads: redis-benchmark with 50 clients, one test per run (`-t set` or `-t get`), \
+         3-byte values unless a size is given, pipeline 1 unless P16; \"GET 1 client\" is the \
+         harness's own client, one connection at pipeline 1, each round trip in an HDR \
+         histogram; \"GET churn\" opens a connection per GET (4 clients); \"idle\" starts a \
+         fresh instance of the data plane, holds N connections open through it, each answered \
+         one PING, and divides its RSS growth by N; the cluster rows are redis-benchmark `--cluster` through the proxy's ports (the \
+         topology rewritten) and a client that sends each key to the next node round robin and \
+         follows `-MOVED` (about two thirds of the GETs are redirected). Proxy CPU per request \
+         is the data plane's CPU time (user + system, from its threads' `schedstat`, which \
+         counts nanoseconds where `/proc/<pid>/stat`'s utime + stime count 10 ms ticks) over \
+         the run divided by its requests.\n\n",
+    );
+    let _ = writeln!(
+        out,
+        "Idle connections per data plane: {}{}; requests per redis-benchmark run: {} at P1, {} \
+         at P16, {} with 64 KiB values, {} with `--cluster` (whose runs come out in steps of \
+         about 250 ms, so a short run reads as 80k, 40k or 27k requests/s).\n",
+        settings.idle,
+        settings
+            .idle_note
+            .as_ref()
+            .map_or(String::new(), |n| format!(" ({n})")),
+        settings.requests_p1,
+        settings.requests_p16,
+        settings.requests_64k,
+        settings.requests_cluster
+    );
+
+    let standalone: Vec<&Workload> = loads.iter().filter(|w| !w.cluster).collect();
+    let clustered: Vec<&Workload> = loads.iter().filter(|w| w.cluster).collect();
+    for &t in &settings.threads {
+        let cols = columns(t, false);
+        let _ = writeln!(out, "## Proxies on {t} worker thread(s)\n");
+        let _ = writeln!(out, "### Requests/s\n");
+        table(
+            &mut out,
+            samples,
+            &cols,
+            &rows_of(&standalone, rps),
+            &|s, _, _| spread(s, rounds),
+        );
+        let _ = writeln!(out, "### Requests/s as a ratio: × direct / × HAProxy\n");
+        table(
+            &mut out,
+            samples,
+            &cols,
+            &rows_of(&standalone, rps),
+            &|s, d, h| {
+                let f = |r: Option<f64>| r.map_or("—".into(), |r| format!("{r:.2}"));
+                format!("{} / {}", f(ratio(Some(s), d)), f(ratio(Some(s), h)))
+            },
+        );
+        let _ = writeln!(out, "### Proxy CPU per request (µs), and × HAProxy\n");
+        table(
+            &mut out,
+            samples,
+            &cols[1..],
+            &rows_of(&standalone, cpu),
+            &|s, _, h| {
+                let r = ratio(Some(s), h).map_or(String::new(), |r| format!(" · {r:.2}×"));
+                format!("{}{r}", spread(s, rounds))
+            },
+        );
+        let _ = writeln!(
+            out,
+            "### One client at pipeline 1: latency (µs), and × direct\n"
+        );
+        let lat_rows: Vec<Row<'_>> =
+            vec![("p50", "GET 1 client", p50), ("p99", "GET 1 client", p99)];
+        table(&mut out, samples, &cols, &lat_rows, &|s, d, _| {
+            let r = ratio(Some(s), d).map_or(String::new(), |r| format!(" · {r:.2}×"));
+            format!("{}{r}", spread(s, rounds))
+        });
+        let _ = writeln!(
+            out,
+            "### Memory: RSS per idle connection (bytes), and × HAProxy\n"
+        );
+        table(
+            &mut out,
+            samples,
+            &cols[1..],
+            &[("idle", "idle", idle)],
+            &|s, _, h| {
+                let r = ratio(Some(s), h).map_or(String::new(), |r| format!(" · {r:.2}×"));
+                format!("{}{r}", spread(s, rounds))
+            },
+        );
+    }
+    if !clustered.is_empty() {
+        let _ = writeln!(out, "## Cluster (3 shards) through the rewrite path\n");
+        let mut cols = vec![(Kind::Direct, Kind::Direct.label().to_string())];
+        for &t in &settings.threads {
+            cols.extend(columns(t, true).into_iter().skip(1));
+        }
+        let _ = writeln!(out, "### Requests/s, and × direct\n");
+        table(
+            &mut out,
+            samples,
+            &cols,
+            &rows_of(&clustered, rps),
+            &|s, d, _| {
+                let r = ratio(Some(s), d).map_or(String::new(), |r| format!(" · {r:.2}×"));
+                format!("{}{r}", spread(s, rounds))
+            },
+        );
+        let _ = writeln!(out, "### Proxy CPU per request (µs)\n");
+        table(
+            &mut out,
+            samples,
+            &cols[1..],
+            &rows_of(&clustered, cpu),
+            &|s, _, _| spread(s, rounds),
+        );
+    }
+    targets(&mut out, settings, samples);
+    out.push_str("![requests/s and CPU per request, as ratios](performance.png)\n\n");
+    out.push_str(
+        "Raw samples (one line per workload, data plane and round): \
+         [performance.csv](performance.csv).\n",
+    );
+    out
+}
+
+type Row<'a> = (&'a str, &'a str, fn(&Sample) -> Option<f64>);
+
+/// A row per workload (but "idle", which has its own table) for `metric`.
+fn rows_of<'a>(ws: &[&'a Workload], metric: fn(&Sample) -> Option<f64>) -> Vec<Row<'a>> {
+    ws.iter()
+        .filter(|w| w.name != "idle")
+        .map(|w| (w.name.as_str(), w.name.as_str(), metric))
+        .collect()
+}
+
+/// Issue 13's targets, checked on the medians of the first thread count.
+fn targets(out: &mut String, settings: &Settings, samples: &[Sample]) {
+    let Some(&t) = settings.threads.first() else {
+        return;
+    };
+    let name = |k: Kind| format!("{} ×{t}", k.label());
+    let med = |w: &str, k: Kind, m: fn(&Sample) -> Option<f64>| {
+        stat(samples, w, &name(k), m).map(|s| s.median)
+    };
+    let mut rows: Vec<(String, String, Option<bool>)> = Vec::new();
+    let rb = [
+        "SET P1",
+        "GET P1",
+        "SET P16",
+        "GET P16",
+        "SET 1 KiB",
+        "GET 1 KiB",
+        "SET 64 KiB",
+        "GET 64 KiB",
+        "GET 1 client",
+        "GET churn",
+    ];
+    let mut worst: Option<(f64, &str)> = None;
+    for w in rb {
+        let (Some(p), Some(h), Some(n)) = (
+            med(w, Kind::Pass, rps),
+            med(w, Kind::Haproxy, rps),
+            med(w, Kind::Nginx, rps),
+        ) else {
+            continue;
+        };
+        let r = p / h.max(n);
+        if worst.is_none_or(|(x, _)| r < x) {
+            worst = Some((r, w));
+        }
+    }
+    if let Some((r, w)) = worst {
+        rows.push((
+            "pass-through ≥ HAProxy and nginx requests/s on every workload".into(),
+            format!("worst: {r:.2}× the better of the two ({w})"),
+            Some(r >= 1.0),
+        ));
+    }
+    for w in ["GET P1", "GET P16"] {
+        if let (Some(p), Some(h)) = (med(w, Kind::Pass, cpu), med(w, Kind::Haproxy, cpu)) {
+            rows.push((
+                format!("pass-through CPU/request ≤ 0.85× HAProxy ({w})"),
+                format!("{:.2}×", p / h),
+                Some(p / h <= 0.85),
+            ));
+        }
+    }
+    for w in ["GET P1", "SET P1", "GET P16", "SET P16"] {
+        if let (Some(r), Some(p), Some(rc), Some(pc)) = (
+            med(w, Kind::Rewrite, rps),
+            med(w, Kind::Pass, rps),
+            med(w, Kind::Rewrite, cpu),
+            med(w, Kind::Pass, cpu),
+        ) {
+            rows.push((
+                format!("rewrite ≥ 0.95× pass-through requests/s, ≤ 1.10× its CPU ({w})"),
+                format!("{:.2}× requests/s, {:.2}× CPU", r / p, rc / pc),
+                Some(r / p >= 0.95 && rc / pc <= 1.10),
+            ));
+        }
+    }
+    if let (Some(p), Some(h)) = (
+        med("idle", Kind::Pass, idle),
+        med("idle", Kind::Haproxy, idle),
+    ) {
+        rows.push((
+            "≤ 4 KiB RSS per idle connection, at or below HAProxy".into(),
+            format!("{p:.0} B ({:.2}× HAProxy)", p / h),
+            Some(p <= 4096.0 && p <= h),
+        ));
+    }
+    let _ = writeln!(
+        out,
+        "## Issue 13's targets (proxies on {t} thread(s), medians)\n"
+    );
+    out.push_str("| target | measured | met |\n|---|---|---|\n");
+    for (target, measured, met) in rows {
+        let met = match met {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "—",
+        };
+        let _ = writeln!(out, "| {target} | {measured} | {met} |");
+    }
+    out.push('\n');
+}
+
+pub fn csv(samples: &[Sample]) -> String {
+    let mut out = String::from(
+        "workload,peer,threads,round,rps,cpu_us_per_req,p50_us,p99_us,idle_bytes_per_conn\n",
+    );
+    let f = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
+    for s in samples {
+        let _ = writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{}",
+            s.workload,
+            s.peer,
+            s.threads,
+            s.round,
+            f(s.rps),
+            f(s.cpu_us),
+            f(s.p50_us),
+            f(s.p99_us),
+            f(s.idle_bytes)
+        );
+    }
+    out
+}
