@@ -35,6 +35,8 @@ pub mod defaults {
     pub const TLS_RELOAD: Duration = Duration::from_secs(5);
     pub const TLS_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
     pub const TLS_MAX_HELLO: usize = 16 * 1024;
+    pub const TLS_MAX_HANDSHAKES: usize = 1024;
+    pub const TLS_MAX_HANDSHAKES_PER_SOURCE: usize = 256;
     /// The smallest ClientHello cap the proxy uses, whatever is asked for.
     pub const MIN_TLS_MAX_HELLO: usize = 512;
 }
@@ -271,6 +273,16 @@ pub struct ProxySettings {
     #[arg(long, value_name = "BYTES", default_value_t = defaults::TLS_MAX_HELLO, help_heading = "TLS port (SNI)")]
     pub tls_max_hello: usize,
 
+    /// TLS port connections still in their hello or handshake, at most (their own budget,
+    /// apart from --max-connections, so that slow hellos cannot lock out the node ports);
+    /// more are closed at once and counted.
+    #[arg(long, value_name = "N", default_value_t = defaults::TLS_MAX_HANDSHAKES, help_heading = "TLS port (SNI)")]
+    pub tls_max_handshakes: usize,
+
+    /// Of those, from one client IP address at most; 0 for no limit per address.
+    #[arg(long, value_name = "N", default_value_t = defaults::TLS_MAX_HANDSHAKES_PER_SOURCE, help_heading = "TLS port (SNI)")]
+    pub tls_max_handshakes_per_source: usize,
+
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -502,6 +514,8 @@ mod tests {
             tls_backend_name: Some("valkey.internal".into()),
             tls_hello_timeout: Duration::from_secs(2).into(),
             tls_max_hello: 2048,
+            tls_max_handshakes: 64,
+            tls_max_handshakes_per_source: 8,
             log_format: LogFormat::Json,
         };
         let args = every.to_args();

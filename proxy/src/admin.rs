@@ -66,7 +66,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
             // Ready all the same: the last table still routes, and dropping every proxy
             // replica out of its Service because the API server is away would be worse.
             Some(why) => format!(
-                "ready: serving route table version {} from the last good fetch; {why}\n",
+                "ready: serving route table version {} from the last good fetch (stale); {why}\n",
                 s.routes.borrow().version
             ),
             None => "ready\n".to_string(),

@@ -15,10 +15,12 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin::{self, AdminState};
 use crate::config::{ProxyConfig, SourceConfig, TlsModeConfig};
+use crate::conn::listener::PerSource;
 use crate::conn::tls_port::TlsMode;
 use crate::conn::{Forwarder, Listeners, TlsServer};
 use crate::dial::{BackendTls, Dialer, Resolver};
 use crate::metrics::Metrics;
+use crate::rewrite::addresses::UnknownAddresses;
 use crate::source::{
     file, FileSource, PublishError, RoutePublisher, RouteRx, RouteSource, SeedSource,
 };
@@ -217,13 +219,19 @@ impl Proxy {
             routes: routes.clone(),
             rewrite_info: config.rewrite_info,
             limits: config.limits,
-            refresh: publisher.refresh_requests(),
+            // A route file does not look again on request: its log must not say it will.
+            unknown: UnknownAddresses::new(
+                (!matches!(config.source, SourceConfig::File { .. }))
+                    .then(|| publisher.refresh_requests()),
+            ),
         });
         let listeners = Arc::new(Listeners {
             listen_ip: config.listen_ip,
             routes: routes.clone(),
             forwarder,
             limit: Arc::new(Semaphore::new(config.max_connections)),
+            handshakes: Arc::new(Semaphore::new(config.tls_max_handshakes)),
+            per_source: PerSource::new(config.tls_max_handshakes_per_source),
             connections: connections.clone(),
             metrics: metrics.clone(),
             ready: ready.clone(),

@@ -96,6 +96,12 @@ pub struct ProxyConfig {
     pub limits: Limits,
     /// The TLS port, if any.
     pub tls: Option<TlsConfig>,
+    /// TLS port connections still reading their hello or in the handshake, at most: a
+    /// budget of their own, so that slow hellos cannot take the connections the node ports
+    /// need. A connection takes one of `max_connections` once its handshake is done.
+    pub tls_max_handshakes: usize,
+    /// Of those, from one client IP address at most; 0: no limit per address.
+    pub tls_max_handshakes_per_source: usize,
 }
 
 /// Settings that contradict each other. The message names the flags.
@@ -194,6 +200,8 @@ impl ProxyConfig {
                 ..Limits::default()
             },
             tls: tls_config(settings)?,
+            tls_max_handshakes: settings.tls_max_handshakes,
+            tls_max_handshakes_per_source: settings.tls_max_handshakes_per_source,
         })
     }
 
@@ -222,6 +230,9 @@ impl ProxyConfig {
         self.max_connections = self
             .max_connections
             .min(tokio::sync::Semaphore::MAX_PERMITS);
+        self.tls_max_handshakes = self
+            .tls_max_handshakes
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         if let Some(tls) = &mut self.tls {
             tls.detect.max_bytes = tls.detect.max_bytes.max(defaults::MIN_TLS_MAX_HELLO);
         }

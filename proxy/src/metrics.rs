@@ -58,6 +58,13 @@ pub struct RouteMetrics {
     pub source_up: Family<SourceLabels, Gauge>,
     pub listeners: Gauge,
     pub listener_errors: Counter,
+    /// 1 while the table in force is stale: the source's last fetch failed, or was refused.
+    pub stale: Gauge,
+    /// Fetches the source finished, failed or not: what a test waits on to know that the
+    /// source has looked again.
+    pub fetches: Family<SourceLabels, Counter>,
+    /// Seed discovery: nodes' answers not used, by reason (`no_slots`, `state_fail`, `older`).
+    pub views_refused: Family<ReasonLabels, Counter>,
 }
 
 impl RouteMetrics {
@@ -66,9 +73,11 @@ impl RouteMetrics {
     pub fn source_started(&self, source: &'static str) {
         let _ = self.source_errors.get_or_create(&SourceLabels { source });
         let _ = self.source_up.get_or_create(&SourceLabels { source });
+        let _ = self.fetches.get_or_create(&SourceLabels { source });
     }
 
     pub fn source_up(&self, source: &'static str, up: bool) {
+        self.fetches.get_or_create(&SourceLabels { source }).inc();
         self.source_up
             .get_or_create(&SourceLabels { source })
             .set(i64::from(up));
@@ -193,6 +202,21 @@ impl Metrics {
             "route_source_up",
             "Whether the route source's last fetch succeeded (1) or failed (0: the table in force is kept)",
             t.source_up.clone(),
+        );
+        r.register(
+            "route_table_stale",
+            "Whether the route table in force is stale (1: the source's last fetch failed or was refused, the last good table is kept)",
+            t.stale.clone(),
+        );
+        r.register(
+            "route_source_fetches",
+            "Fetches the route source finished (whether they succeeded or not)",
+            t.fetches.clone(),
+        );
+        r.register(
+            "discovery_views_refused",
+            "Seed discovery: nodes' answers not used (no slots, cluster_state fail, older epochs), per reason",
+            t.views_refused.clone(),
         );
         r.register("listeners", "Listener ports bound now", t.listeners.clone());
         r.register(

@@ -9,8 +9,9 @@
 //! server-side hello parser (`rustls::server::Acceptor`): when rustls reads a hello and a
 //! server name from the bytes, the reader must find the same name.
 //!
-//! `SHARDGATE_FUZZ_SECONDS` sets the run time (default 3 s); `SHARDGATE_FUZZ_SEED` replays a
-//! run (the seed is printed at the start and on failure).
+//! It runs twice: from a fixed seed (the same inputs on every run) and from a random one.
+//! `SHARDGATE_FUZZ_SECONDS` sets each run's time (default 2 s); `SHARDGATE_FUZZ_SEED` replays
+//! a random run (the seed is printed at the start and on failure).
 
 use shardgate_harness::fuzz::{Rng, Run};
 use std::sync::Arc;
@@ -253,9 +254,24 @@ fn seeds_are_read_as_rustls_reads_them() {
     assert_eq!(names[3], None, "enable_sni = false sends no name");
 }
 
+/// The same inputs on every run (as many as the time allows): a failure is reproducible as
+/// it stands.
 #[test]
-fn mutation_fuzz() {
-    let run = Run::from_env(3);
+fn mutation_fuzz_from_a_fixed_seed() {
+    let run = Run::from_env(2);
+    mutation_fuzz(Run {
+        seed: 0x5eed_c11e_7e11_0f01,
+        ..run
+    });
+}
+
+/// New inputs on every run, from the clock's seed (or `SHARDGATE_FUZZ_SEED`), printed.
+#[test]
+fn mutation_fuzz_from_a_random_seed() {
+    mutation_fuzz(Run::from_env(2));
+}
+
+fn mutation_fuzz(run: Run) {
     let (secs, seed) = (run.seconds, run.seed);
     eprintln!("fuzz_sni: SHARDGATE_FUZZ_SEED={seed} for {secs}s");
     let seeds = seeds();

@@ -29,11 +29,12 @@ use tokio_util::sync::CancellationToken;
 use crate::dial::{DialError, Dialer};
 use crate::metrics::{BytesLabels, KindLabels, Metrics, PortLabels, ReasonLabels, RewriteLabels};
 use crate::model::{Backend, Route};
+use crate::resp::pairing::Lost;
 use crate::resp::RespError;
+use crate::rewrite::addresses::UnknownAddresses;
 use crate::rewrite::stream::{Limits, ReplySide, RequestSide, Segment, Shared};
 use crate::rewrite::{AddressMap, Report};
 use crate::source::RouteRx;
-use tokio::sync::Notify;
 
 /// Which side an error came from (as pingora tags them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +64,19 @@ pub enum ForwardError {
         #[source]
         source: RespError,
     },
+    /// Valid RESP that goes past one of the proxy's limits (a topology reply too large to
+    /// hold, nesting too deep to follow): not called invalid, nor counted as a protocol
+    /// error.
+    #[error("{side:?} side sent a frame past the proxy's limits: {source}")]
+    Limit {
+        side: Side,
+        #[source]
+        source: RespError,
+    },
+    /// Replies could no longer be paired with requests: closed after an error line to the
+    /// client rather than forwarded by guess.
+    #[error("lost track of which reply answers which command: {}", .0.describe())]
+    Lost(Lost),
 }
 
 impl ForwardError {
@@ -78,6 +92,8 @@ impl ForwardError {
                 side: Side::Client, ..
             } => "client_error",
             ForwardError::Protocol { .. } => "protocol_error",
+            ForwardError::Limit { .. } => "limit_exceeded",
+            ForwardError::Lost(_) => "pairing_lost",
         }
     }
 }
@@ -135,8 +151,8 @@ pub struct Forwarder {
     pub routes: RouteRx,
     pub rewrite_info: bool,
     pub limits: Limits,
-    /// Wakes the route source when a reply names an address no route knows.
-    pub refresh: Arc<Notify>,
+    /// Addresses no route knows: logged (rate-limited), and the route source woken.
+    pub unknown: UnknownAddresses,
 }
 
 impl Forwarder {
@@ -199,7 +215,12 @@ impl Forwarder {
             Ok(closed) => {
                 tracing::debug!(port, ?peer, backend = %backend, ?closed, "connection closed")
             }
-            Err(e @ (ForwardError::Dial { .. } | ForwardError::Protocol { .. })) => {
+            Err(
+                e @ (ForwardError::Dial { .. }
+                | ForwardError::Protocol { .. }
+                | ForwardError::Limit { .. }
+                | ForwardError::Lost(_)),
+            ) => {
                 tracing::warn!(port, ?peer, backend = %backend, "{e}")
             }
             Err(e) => {
@@ -271,6 +292,10 @@ impl Forwarder {
                 let requests = Requests {
                     side: RequestSide::new(self.limits),
                     shared: &shared,
+                    rejected: (self.metrics.rewrite.protocol_errors)
+                        .get_or_create(&ReasonLabels { reason: "client" })
+                        .clone(),
+                    ended: false,
                 };
                 let replies = Replies {
                     side: ReplySide::new(self.limits),
@@ -331,12 +356,11 @@ impl Forwarder {
             tracing::debug!(skipped = ?report.skipped, "replies paired with a topology command but not of its shape; forwarded unchanged");
         }
         if report.refresh && report.unknown.is_empty() {
-            self.refresh.notify_one();
+            self.unknown.refresh();
         }
         if !report.unknown.is_empty() {
             m.unknown_addresses.inc_by(report.unknown.len() as u64);
-            tracing::warn!(unknown = ?report.unknown, "reply names addresses no route knows; forwarded unchanged, refresh requested");
-            self.refresh.notify_one();
+            self.unknown.report(&report.unknown);
         }
     }
 }
@@ -351,6 +375,18 @@ trait Observer: Send {
 
     /// The bytes to write for `input`, the bytes just read.
     fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError>;
+
+    /// Whether the stream ended with the last bytes observed: nothing more is read, and the
+    /// other side is shut once they are written.
+    fn ended(&self) -> bool {
+        false
+    }
+
+    /// Whether the pairing was lost with the last bytes observed (which end with an error
+    /// line): the connection is closed once they are written.
+    fn lost(&self) -> Option<Lost> {
+        None
+    }
 }
 
 /// Plain forwarding: every byte goes out as it came.
@@ -368,6 +404,9 @@ impl Observer for Plain {
 struct Requests<'s> {
     side: RequestSide,
     shared: &'s Shared,
+    /// `protocol_errors_total{reason="client"}`.
+    rejected: Counter,
+    ended: bool,
 }
 
 impl Observer for Requests<'_> {
@@ -377,8 +416,22 @@ impl Observer for Requests<'_> {
     }
 
     fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {
-        self.side.observe(input, self.shared)?;
-        Ok(input)
+        match self.side.observe(input, self.shared) {
+            // Bad input that Valkey rejects at the same command, with a protocol error of
+            // its own after which it runs nothing: forwarded, so that the client gets that
+            // error line as a direct connection does; no more is read.
+            Err(e) if crate::resp::request::valkey_rejects(&e) => {
+                tracing::debug!("client sent invalid RESP, left to Valkey to answer: {e}");
+                self.rejected.inc();
+                self.ended = true;
+                Ok(input)
+            }
+            r => r.map(|()| input),
+        }
+    }
+
+    fn ended(&self) -> bool {
+        self.ended
     }
 }
 
@@ -396,6 +449,10 @@ struct Replies<'s> {
 }
 
 impl Observer for Replies<'_> {
+    fn lost(&self) -> Option<Lost> {
+        self.side.lost()
+    }
+
     fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {
         let map = self.forwarder.addresses(self.addresses);
         let mut report = Report::default();
@@ -461,17 +518,37 @@ where
             let _ = to.shutdown().await;
             return Ok(());
         }
-        let out = observer
-            .observe(&buf[..n])
-            .map_err(|source| ForwardError::Protocol { side, source })?;
+        let out = observer.observe(&buf[..n]).map_err(|source| {
+            if source.is_limit() {
+                ForwardError::Limit { side, source }
+            } else {
+                ForwardError::Protocol { side, source }
+            }
+        })?;
         if !out.is_empty() {
-            send(&mut to, out).await.map_err(|source| ForwardError::Io {
-                side: other,
-                source,
-            })?;
+            if let Err(source) = send(&mut to, out).await {
+                if side == Side::Client {
+                    // The backend closed its end (QUIT, a protocol error): what it sent
+                    // before is still forwarded by the other direction, as a direct client
+                    // would still read it.
+                    return Ok(());
+                }
+                return Err(ForwardError::Io {
+                    side: other,
+                    source,
+                });
+            }
         }
         bytes.inc_by(out.len() as u64);
         clock.touch();
+        if let Some(lost) = observer.lost() {
+            let _ = to.shutdown().await;
+            return Err(ForwardError::Lost(lost));
+        }
+        if observer.ended() {
+            let _ = to.shutdown().await;
+            return Ok(());
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -24,6 +24,11 @@ pub struct Listeners {
     pub forwarder: Arc<Forwarder>,
     /// One permit per open connection: the connection limit.
     pub limit: Arc<Semaphore>,
+    /// One permit per TLS port connection still in its hello or handshake: a budget apart
+    /// from `limit`, so that slow hellos cannot lock out the node ports.
+    pub handshakes: Arc<Semaphore>,
+    /// The handshake budget per client IP address.
+    pub per_source: Arc<PerSource>,
     /// Every connection task, so that shutdown can wait for them.
     pub connections: TaskTracker,
     pub metrics: Arc<Metrics>,
@@ -91,7 +96,10 @@ impl Listeners {
         port: u16,
         stop: CancellationToken,
     ) {
-        while let Some((socket, permit)) = self.accept(&listener, port, &stop).await {
+        while let Some((socket, permit)) = self
+            .accept(&listener, port, &stop, Budget::Connections)
+            .await
+        {
             let Some(route) = self.routes.borrow().route(port).cloned() else {
                 self.reject("no_route");
                 continue;
@@ -108,8 +116,9 @@ impl Listeners {
         self.metrics.routes.listeners.dec();
     }
 
-    /// The TLS port's accept loop: the same connection limit and drain as the node ports;
-    /// each connection is routed by its SNI name in its own task.
+    /// The TLS port's accept loop: the same drain as the node ports; each connection is
+    /// routed by its SNI name in its own task. Until its handshake is done a connection
+    /// holds a permit of the handshake budget, then one of the connection limit.
     pub async fn accept_tls(
         self: Arc<Self>,
         listener: TcpListener,
@@ -118,25 +127,50 @@ impl Listeners {
     ) {
         let port = tls.port;
         tracing::info!(port, "TLS port listening (routed by SNI)");
-        while let Some((socket, permit)) = self.accept(&listener, port, &stop).await {
+        while let Some((socket, permit)) = self
+            .accept(&listener, port, &stop, Budget::Handshakes)
+            .await
+        {
+            let Some(source) = socket.peer_addr().ok().map(|p| p.ip()) else {
+                continue;
+            };
+            let Some(slot) = self.per_source.take(source) else {
+                self.reject("source_handshake_limit");
+                self.metrics.tls.refuse("source_handshake_limit");
+                tracing::warn!(
+                    port,
+                    %source,
+                    "TLS handshake budget of this client address used up; closing"
+                );
+                continue;
+            };
+            let handshake = Handshake {
+                _permit: permit,
+                _slot: slot,
+            };
             let tls = tls.clone();
+            let limit = self.limit.clone();
             self.connections.spawn(async move {
-                tls.serve(socket).await;
-                drop(permit);
+                tls.serve(socket, handshake, limit).await;
             });
         }
     }
 
-    /// The next connection within the connection limit, with its permit; `None` once `stop`
-    /// is cancelled. Connections past the limit are closed at once and counted; accept
-    /// errors (out of file descriptors and the like) back off instead of spinning.
+    /// The next connection within `budget`, with its permit; `None` once `stop` is
+    /// cancelled. Connections past it are refused at once and counted; accept errors (out
+    /// of file descriptors and the like) back off instead of spinning.
     async fn accept(
         &self,
         listener: &TcpListener,
         port: u16,
         stop: &CancellationToken,
+        budget: Budget,
     ) -> Option<(TcpStream, OwnedSemaphorePermit)> {
         let mut backoff = Duration::from_millis(5);
+        let permits = match budget {
+            Budget::Connections => &self.limit,
+            Budget::Handshakes => &self.handshakes,
+        };
         loop {
             let accepted = tokio::select! {
                 _ = stop.cancelled() => return None,
@@ -152,12 +186,24 @@ impl Listeners {
                     continue;
                 }
             };
-            match self.limit.clone().try_acquire_owned() {
+            match permits.clone().try_acquire_owned() {
                 Ok(permit) => return Some((socket, permit)),
-                Err(_) => {
-                    self.reject("connection_limit");
-                    tracing::warn!(port, %peer, "connection limit reached; closing");
-                }
+                Err(_) => match budget {
+                    Budget::Connections => {
+                        self.reject("connection_limit");
+                        // What Valkey itself says at maxclients. A fresh socket's send
+                        // buffer takes the line at once; if not, the close alone says it.
+                        let _ = socket.try_write(MAX_CLIENTS_REPLY);
+                        tracing::warn!(port, %peer, "connection limit reached; closing");
+                    }
+                    Budget::Handshakes => {
+                        // Nothing is sent: the client's first bytes are not read, and a TLS
+                        // client could not read a RESP line anyway.
+                        self.reject("handshake_limit");
+                        self.metrics.tls.refuse("handshake_limit");
+                        tracing::warn!(port, %peer, "TLS handshake budget used up; closing");
+                    }
+                },
             }
         }
     }
@@ -168,5 +214,81 @@ impl Listeners {
             .rejected
             .get_or_create(&ReasonLabels { reason })
             .inc();
+    }
+}
+
+/// Which permits a listener's connections take when accepted.
+#[derive(Debug, Clone, Copy)]
+enum Budget {
+    /// The connection limit (`--max-connections`): the node ports.
+    Connections,
+    /// The handshake budget (`--tls-max-handshakes`): the TLS port, until the handshake is
+    /// done.
+    Handshakes,
+}
+
+/// The error line a client past the connection limit gets before the close: Valkey's own
+/// at `maxclients`.
+pub const MAX_CLIENTS_REPLY: &[u8] = b"-ERR max number of clients reached\r\n";
+
+/// What a TLS port connection holds until its handshake is done: a permit of the handshake
+/// budget and its client address's slot.
+pub struct Handshake {
+    _permit: OwnedSemaphorePermit,
+    _slot: SourceSlot,
+}
+
+/// Handshakes in progress per client IP address, within a limit.
+#[derive(Debug)]
+pub struct PerSource {
+    /// At most this many per address; 0: no limit.
+    max: usize,
+    counts: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl PerSource {
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(PerSource {
+            max,
+            counts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A slot for one more handshake from `ip`, or `None` if it has `max` already.
+    fn take(self: &Arc<Self>, ip: IpAddr) -> Option<SourceSlot> {
+        if self.max > 0 {
+            let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+            let n = counts.entry(ip).or_insert(0);
+            if *n >= self.max {
+                return None;
+            }
+            *n += 1;
+        }
+        Some(SourceSlot {
+            owner: self.clone(),
+            ip,
+        })
+    }
+}
+
+/// One handshake's place in its address's count; given back on drop.
+pub struct SourceSlot {
+    owner: Arc<PerSource>,
+    ip: IpAddr,
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        if self.owner.max == 0 {
+            return;
+        }
+        let mut counts = self.owner.counts.lock().unwrap_or_else(|e| e.into_inner());
+        // Entries go when they reach 0, so that the map holds only addresses in a handshake.
+        if let Some(n) = counts.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.ip);
+            }
+        }
     }
 }

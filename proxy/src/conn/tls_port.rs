@@ -1,7 +1,8 @@
 //! One connection on the TLS port.
 //!
 //! 1. Read the ClientHello ([`detect`](crate::tls::detect)) and its SNI name, under the hello
-//!    timeout and byte cap.
+//!    timeout and byte cap, within the handshake budget (apart from the connection limit,
+//!    which the connection joins once its handshake is done).
 //! 2. Route the name ([`select`](crate::tls::select)). A connection that is not TLS, has no SNI
 //!    or names nothing of this cluster is refused: a TLS alert where the client speaks
 //!    TLS, a count in `tls_refused_total{reason}`, and no backend connection.
@@ -18,11 +19,13 @@ use std::time::Duration;
 use bytes::BytesMut;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use super::forward::{Addresses, Closed, ForwardError, Forwarder, Side};
+use super::listener::{Handshake, MAX_CLIENTS_REPLY};
 use crate::dial::BackendTls;
-use crate::metrics::{Metrics, TlsTargetLabels, TlsVersionLabels};
+use crate::metrics::{Metrics, ReasonLabels, TlsTargetLabels, TlsVersionLabels};
 use crate::model::{Backend, Route};
 use crate::source::RouteRx;
 use crate::tls::certs::ServerConfigRx;
@@ -53,8 +56,11 @@ pub struct TlsServer {
 }
 
 impl TlsServer {
-    /// Serves one accepted connection. Every outcome is counted and logged here.
-    pub async fn serve(&self, mut tcp: TcpStream) {
+    /// Serves one accepted connection, which holds `handshake` (its place in the handshake
+    /// budget and in its address's) until its hello is routed (passthrough) or its handshake done (terminate),
+    /// and then one of `limit`, the connection limit. Every outcome is counted and logged
+    /// here.
+    pub async fn serve(&self, mut tcp: TcpStream, handshake: Handshake, limit: Arc<Semaphore>) {
         let peer = tcp.peer_addr().ok();
         crate::dial::tune(&tcp);
         let hello = match detect(&mut tcp, self.limits).await {
@@ -113,6 +119,12 @@ impl TlsServer {
         let first = selected.candidates[0].clone();
         match &self.mode {
             TlsMode::Passthrough => {
+                drop(handshake);
+                // Nothing to say past the limit: the client waits for a ServerHello only
+                // the node can send.
+                let Some(_permit) = self.connection_permit(&limit, peer) else {
+                    return;
+                };
                 let backend = first.tls_backend().clone();
                 let conn = self.passthrough(tcp, hello.prefix, &selected);
                 self.forwarder
@@ -136,6 +148,17 @@ impl TlsServer {
                         return;
                     }
                 };
+                drop(handshake);
+                let Some(_permit) = self.connection_permit(&limit, peer) else {
+                    // The session is up: the client reads RESP now, so it gets Valkey's line.
+                    let mut client = client;
+                    let send = async {
+                        client.write_all(MAX_CLIENTS_REPLY).await?;
+                        client.shutdown().await
+                    };
+                    let _ = tokio::time::timeout(Duration::from_secs(1), send).await;
+                    return;
+                };
                 let version = match client.get_ref().1.protocol_version() {
                     Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1_3",
                     Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1_2",
@@ -152,6 +175,28 @@ impl TlsServer {
                 };
                 let conn = self.terminate(client, backend.as_ref(), &selected);
                 self.forwarder.account(self.port, peer, &shown, conn).await;
+            }
+        }
+    }
+
+    /// A permit of the connection limit, or `None` (counted and logged) at the limit.
+    fn connection_permit(
+        &self,
+        limit: &Arc<Semaphore>,
+        peer: Option<SocketAddr>,
+    ) -> Option<OwnedSemaphorePermit> {
+        match limit.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => {
+                self.metrics
+                    .connections
+                    .rejected
+                    .get_or_create(&ReasonLabels {
+                        reason: "connection_limit",
+                    })
+                    .inc();
+                tracing::warn!(port = self.port, ?peer, "connection limit reached; closing");
+                None
             }
         }
     }

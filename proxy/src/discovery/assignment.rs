@@ -3,9 +3,9 @@
 //! The first discovery orders shards by their lowest slot and nodes by role (primary first)
 //! then node id; later discoveries keep every known node on its index, so a failover or a
 //! restart never renumbers the listeners, and new nodes take the lowest free index of their
-//! shard.
+//! shard. A node still joining (a shard of its own without slots) waits for its place.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use shardgate_admin_client::{NodeView, ShardView};
 use shardgate_crds::NodeRef;
@@ -16,6 +16,8 @@ pub struct Assignment {
     stride: Option<u32>,
     shards: HashMap<String, u32>,
     nodes: HashMap<String, NodeRef>,
+    /// The nodes placed by the last discovery.
+    last: HashSet<String>,
 }
 
 impl Assignment {
@@ -52,39 +54,48 @@ impl Assignment {
         let mut skipped = vec![];
         for shard in order {
             let key = shard.key();
+            // A shard that owns no slot and has no node placed yet is a node still joining
+            // (met, not yet a replica nor given slots): it gets its port once it has settled
+            // in its shard, so that clients never see it move.
+            if shard.slots.is_empty() && !shard.nodes.iter().any(|n| self.nodes.contains_key(&n.id))
+            {
+                continue;
+            }
             let next_shard = self.shards.values().map(|s| s + 1).max().unwrap_or(0);
             let s = *self.shards.entry(key).or_insert(next_shard);
             let mut nodes: Vec<&NodeView> = shard.nodes.iter().collect();
-            nodes.sort_by(|a, b| b.primary.cmp(&a.primary).then(a.id.cmp(&b.id)));
-            let mut used: Vec<u32> = nodes
-                .iter()
-                .filter_map(|n| self.nodes.get(&n.id))
-                .filter(|r| r.shard.0 == s)
-                .map(|r| r.node.0)
-                .collect();
+            // Nodes placed last time claim their index first.
+            nodes.sort_by_key(|n| (!self.last.contains(&n.id), !n.primary, n.id.clone()));
+            // Known nodes keep their index, unless a node placed last time holds it (a node
+            // that was gone came back after its index was reused): the returning one is
+            // placed again like a new node.
+            let mut used: Vec<u32> = vec![];
+            let mut fresh: Vec<&NodeView> = vec![];
             for node in nodes {
-                let known = self.nodes.get(&node.id).filter(|r| r.shard.0 == s).copied();
-                let r = match known {
-                    Some(r) => r,
-                    None => match (0..stride).find(|i| !used.contains(i)) {
-                        Some(i) => {
-                            used.push(i);
-                            let r = NodeRef::new(s, i);
-                            self.nodes.insert(node.id.clone(), r);
-                            r
-                        }
-                        None => {
-                            skipped.push(format!(
-                                "node {} of shard {s}: no free port (ports per shard: {stride})",
-                                node.id
-                            ));
-                            continue;
-                        }
-                    },
-                };
-                placed.push((r, node));
+                match self.nodes.get(&node.id).copied().filter(|r| r.shard.0 == s) {
+                    Some(r) if !used.contains(&r.node.0) => {
+                        used.push(r.node.0);
+                        placed.push((r, node));
+                    }
+                    _ => fresh.push(node),
+                }
+            }
+            for node in fresh {
+                match (0..stride).find(|i| !used.contains(i)) {
+                    Some(i) => {
+                        used.push(i);
+                        let r = NodeRef::new(s, i);
+                        self.nodes.insert(node.id.clone(), r);
+                        placed.push((r, node));
+                    }
+                    None => skipped.push(format!(
+                        "node {} of shard {s}: no free port (ports per shard: {stride})",
+                        node.id
+                    )),
+                }
             }
         }
+        self.last = placed.iter().map(|(_, n)| n.id.clone()).collect();
         (placed, skipped)
     }
 
@@ -187,5 +198,40 @@ mod tests {
         let (p, skipped) = a.assign(None, &three);
         assert_eq!(p.len(), 2);
         assert!(skipped[0].contains("a4"), "{skipped:?}");
+        // a2 comes back while a3 holds its index: a2 is placed again, and not on a3's port.
+        let back = [shard(
+            "s-a",
+            0,
+            vec![node("a1", true), node("a3", false), node("a2", false)],
+        )];
+        let (p, skipped) = a.assign(None, &back);
+        let refs: Vec<_> = p.iter().map(|(r, n)| (n.id.as_str(), *r)).collect();
+        assert_eq!(
+            refs,
+            [("a1", NodeRef::new(0, 0)), ("a3", NodeRef::new(0, 1))]
+        );
+        assert!(skipped[0].contains("a2"), "{skipped:?}");
+    }
+
+    #[test]
+    fn a_joining_node_gets_one_port_once_its_shard_is_settled() {
+        let mut a = Assignment::default();
+        let ports = Some(3);
+        let settled = shard("s-a", 0, vec![node("a1", true), node("a2", false)]);
+        a.assign(ports, std::slice::from_ref(&settled));
+        // Met: a slotless shard of its own. No port yet.
+        let mut joining = shard("s-new", 0, vec![node("j", true)]);
+        joining.slots.clear();
+        let both = [settled.clone(), joining];
+        let (p, skipped) = a.assign(ports, &both);
+        assert!(p.iter().all(|(_, n)| n.id != "j") && skipped.is_empty());
+        // A replica of shard 0 now: it takes the free index there, for good.
+        let mut with_replica = settled.clone();
+        with_replica.nodes.push(node("j", false));
+        for _ in 0..2 {
+            let (p, _) = a.assign(ports, std::slice::from_ref(&with_replica));
+            let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, _)| *r);
+            assert_eq!(j, Some(NodeRef::new(0, 2)));
+        }
     }
 }

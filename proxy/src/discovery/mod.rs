@@ -1,8 +1,9 @@
 //! Seed discovery: what the cluster says it is (`CLUSTER SHARDS`, asked with the shared
 //! admin client), and which listener each node it names gets.
 //!
-//! - here: [`discover`], which asks candidate nodes in turn until one answers, and
+//! - here: [`discover`], which asks a few candidate nodes and chooses among their views, and
 //!   [`node_id`], which asks one node who it is (`CLUSTER MYID`).
+//! - [`views`]: several nodes' answers compared, and the one to route by chosen.
 //! - [`assignment`]: sticky (shard, node) indices across discoveries.
 //!
 //! The route sources that publish what discovery finds are [`crate::source::seed`] and the
@@ -10,6 +11,7 @@
 //! for their ids and roles).
 
 pub mod assignment;
+pub mod views;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -17,7 +19,7 @@ use std::time::Duration;
 use shardgate_admin_client::{Client, Timeouts};
 
 pub use assignment::Assignment;
-pub use shardgate_admin_client::ShardView;
+pub use views::{Answer, Choice, Refusal};
 
 use crate::dial::Resolver;
 use crate::model::Backend;
@@ -27,6 +29,10 @@ use crate::model::Backend;
 pub enum DiscoveryError {
     #[error("no seed answered CLUSTER SHARDS: {0}")]
     NoSeed(String),
+    #[error(
+        "no node that answered ({0}) serves any slot: cluster not formed, or nodes restarted empty"
+    )]
+    NoSlots(String),
     #[error("port layout: {0}")]
     Ports(#[from] shardgate_crds::PortError),
 }
@@ -45,37 +51,87 @@ pub async fn node_id(
     Client::connect(addr, timeouts).await?.cluster_myid().await
 }
 
-/// Asks `candidates` in turn for `CLUSTER SHARDS`; the first non-empty answer wins. Each
-/// node gets `timeout` to connect and as long again to answer.
+/// How many answers discovery compares, at most (more only cost time: one confused node
+/// is outvoted or outscored by two sound ones).
+pub const ANSWERS: usize = 3;
+
+/// Asks the nodes at `candidates` (resolved in order, seeds first) what the cluster is, a
+/// few at a time until [`ANSWERS`] have answered or none is left, and chooses the view to
+/// route by ([`views::choose`]). Each node gets `timeout` to connect and as long again for
+/// each reply.
 pub async fn discover(
     resolver: &Resolver,
     candidates: &[Backend],
     timeout: Duration,
-) -> Result<Vec<ShardView>, DiscoveryError> {
+) -> Result<Choice, DiscoveryError> {
     let timeouts = Timeouts {
         connect: timeout,
         reply: timeout,
     };
     let mut errors = vec![];
+    let mut addrs: Vec<SocketAddr> = vec![];
     for seed in candidates {
-        let addrs = match resolver.resolve(seed).await {
-            Ok(a) => a,
-            Err(e) => {
-                errors.push(e.to_string());
-                continue;
+        match resolver.resolve(seed).await {
+            Ok(found) => {
+                for a in found {
+                    if !addrs.contains(&a) {
+                        addrs.push(a);
+                    }
+                }
             }
-        };
-        for addr in addrs {
-            let shards = match Client::connect(addr, timeouts).await {
-                Ok(mut client) => client.cluster_shards().await,
-                Err(e) => Err(e),
-            };
-            match shards {
-                Ok(shards) if !shards.is_empty() => return Ok(shards),
-                Ok(_) => errors.push(format!("{addr}: no shards (cluster not formed?)")),
-                Err(e) => errors.push(e.to_string()),
-            }
+            Err(e) => errors.push(e.to_string()),
         }
     }
-    Err(DiscoveryError::NoSeed(errors.join("; ")))
+    let mut answers: Vec<Answer> = vec![];
+    let mut next = addrs.iter();
+    while answers.len() < ANSWERS {
+        let batch: Vec<SocketAddr> = next
+            .by_ref()
+            .take(ANSWERS - answers.len())
+            .copied()
+            .collect();
+        if batch.is_empty() {
+            break;
+        }
+        let mut asking = tokio::task::JoinSet::new();
+        for (i, addr) in batch.iter().enumerate() {
+            let addr = *addr;
+            asking.spawn(async move { (i, addr, ask(addr, timeouts).await) });
+        }
+        // In the order asked, whatever order they answer in: ties go to the seeds.
+        let mut batch_answers = vec![];
+        while let Some(done) = asking.join_next().await {
+            match done {
+                Ok((i, _, Ok(answer))) => batch_answers.push((i, answer)),
+                Ok((_, addr, Err(e))) => errors.push(format!("{addr}: {e}")),
+                Err(e) => errors.push(format!("discovery task: {e}")),
+            }
+        }
+        batch_answers.sort_by_key(|(i, _)| *i);
+        answers.extend(batch_answers.into_iter().map(|(_, a)| a));
+    }
+    if answers.is_empty() {
+        return Err(DiscoveryError::NoSeed(errors.join("; ")));
+    }
+    let asked: Vec<String> = answers.iter().map(|a| a.addr.to_string()).collect();
+    views::choose(answers).ok_or_else(|| DiscoveryError::NoSlots(asked.join(", ")))
+}
+
+/// One node's answer: who it is, its cluster state, `CLUSTER SHARDS` and `CLUSTER NODES`.
+async fn ask(
+    addr: SocketAddr,
+    timeouts: Timeouts,
+) -> Result<Answer, shardgate_admin_client::Error> {
+    let mut client = Client::connect(addr, timeouts).await?;
+    let myself = client.cluster_myid().await?;
+    let info = client.cluster_info().await?;
+    let shards = client.cluster_shards().await?;
+    let nodes = client.cluster_nodes().await?;
+    Ok(Answer {
+        addr,
+        myself,
+        state_ok: info.get("cluster_state").map(String::as_str) == Some("ok"),
+        shards,
+        nodes,
+    })
 }

@@ -13,4 +13,4 @@ pub mod pairing;
 pub mod request;
 pub mod scanner;
 
-pub use scanner::{RespError, Scan, Scanner};
+pub use scanner::{Part, RespError, Scan, Scanner};

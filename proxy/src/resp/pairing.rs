@@ -32,18 +32,66 @@ pub enum Expect {
     /// one error. `channels` is 0 for an unsubscribe of everything, which ends at the
     /// confirmation after which no subscription of its kind is left (one per subscription,
     /// or one with a NULL channel when there was none); `seen` counts those arrived.
+    /// `quiet`: sent with replies off or skipped, when an error is not sent (only the
+    /// confirmations are).
     PubSub {
         op: PubSubOp,
         channels: u64,
         seen: u64,
+        quiet: bool,
     },
     Monitor,
     Reset,
+    /// RESET after `CLIENT REPLY SKIP`: no reply, but its effect (no subscription, no
+    /// MONITOR, RESP2) starts where its reply would have been. Never answers a reply: it
+    /// is taken off once it is at the front.
+    SkippedReset,
+    /// `HELLO 2` or `HELLO 3` queued in a transaction: no reply of its own (it is inside
+    /// EXEC's), but when EXEC's reply just placed is an array (the transaction ran), the
+    /// connection speaks RESP3 (`true`) or RESP2 from then on. Taken off at the front.
+    ExecProtocol(bool),
     /// HELLO: its reply's type says which protocol the connection speaks from then on (a
     /// map: RESP3, an array: RESP2, an error: unchanged).
     Hello,
-    /// EXEC whose transaction holds topology commands, in order.
-    Exec(Vec<Expect>),
+    /// EXEC whose transaction holds topology commands: what each queued command's reply
+    /// is, in order, run-length encoded (every command that is not topology is `Other`, so
+    /// a transaction of a million GETs and one CLUSTER SLOTS is two runs).
+    Exec(Vec<(Expect, u64)>),
+    /// A command after which replies can no longer be paired with requests: the reply side
+    /// closes the connection when it gets there.
+    Lost(Lost),
+}
+
+/// Why a connection's replies can no longer be paired with its requests. The connection is
+/// closed at that point with an error line and this reason, never paired by guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lost {
+    /// An in-band reply came with no request waiting for one.
+    UnpairedReply,
+    /// EXEC of a transaction with a subscribe command in it: its confirmations spill out of
+    /// EXEC's array, and the connection is subscribed after it.
+    SubscribeInTransaction,
+    /// HELLO with options queued in a transaction: whether it switches the protocol depends
+    /// on options (AUTH) whose outcome is not in EXEC's reply in a form followed here.
+    HelloInTransaction,
+    /// HELLO or MONITOR with replies off or skipped: the switch has no reply to confirm it.
+    SwitchWithoutReply,
+    /// CLIENT REPLY or MULTI on a RESP2 subscribed connection: Valkey refuses them there,
+    /// which the request side cannot know in time.
+    SubscribedResp2,
+}
+
+impl Lost {
+    /// Why, for logs and the client's error line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Lost::UnpairedReply => "a reply came that no command was waiting for",
+            Lost::SubscribeInTransaction => "a subscribe command inside MULTI",
+            Lost::HelloInTransaction => "HELLO with options inside MULTI",
+            Lost::SwitchWithoutReply => "HELLO or MONITOR sent with CLIENT REPLY OFF or SKIP",
+            Lost::SubscribedResp2 => "CLIENT REPLY or MULTI on a subscribed RESP2 connection",
+        }
+    }
 }
 
 impl Expect {
@@ -51,7 +99,13 @@ impl Expect {
     pub fn is_topology(&self) -> bool {
         !matches!(
             self,
-            Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset | Expect::Hello
+            Expect::Other
+                | Expect::PubSub { .. }
+                | Expect::Monitor
+                | Expect::Reset
+                | Expect::SkippedReset
+                | Expect::ExecProtocol(_)
+                | Expect::Hello
         )
     }
 
@@ -76,6 +130,7 @@ impl Expect {
                 op,
                 channels: cmd.argc.saturating_sub(1),
                 seen: 0,
+                quiet: false,
             };
         }
         match cmd.name() {
@@ -102,7 +157,7 @@ impl Expect {
                     Expect::Other
                 }
             }
-            b"monitor" => Expect::Monitor,
+            b"monitor" if cmd.argc == 1 => Expect::Monitor,
             b"reset" => Expect::Reset,
             b"hello" => Expect::Hello,
             _ => Expect::Other,
@@ -122,6 +177,13 @@ pub enum PubSubOp {
 }
 
 impl PubSubOp {
+    fn unsubscribes(self) -> bool {
+        matches!(
+            self,
+            PubSubOp::Unsubscribe | PubSubOp::PUnsubscribe | PubSubOp::SUnsubscribe
+        )
+    }
+
     /// From a lowercase command or confirmation name.
     fn of(name: &[u8]) -> Option<PubSubOp> {
         Some(match name {
@@ -145,6 +207,10 @@ pub enum Answer {
     OutOfBand,
 }
 
+/// Runs (of topology and other commands) that one transaction may queue before its EXEC's
+/// reply is no longer rewritten; counted in [`Pairing::entries`] too.
+pub const MAX_TRANSACTION_RUNS: usize = 16 * 1024;
+
 /// The queue between the two directions of one connection.
 #[derive(Debug, Default)]
 pub struct Pairing {
@@ -154,10 +220,26 @@ pub struct Pairing {
     pub rewrite_info: bool,
     // Request side.
     in_multi: bool,
-    transaction: Vec<Expect>,
+    /// The commands queued in the transaction, as [`Expect::Exec`] holds them.
+    transaction: Vec<(Expect, u64)>,
+    /// The transaction had more than [`MAX_TRANSACTION_RUNS`] runs: it is no longer
+    /// recorded, and its EXEC's reply goes out as it comes.
+    transaction_overflow: bool,
+    /// The protocol the last `HELLO 2|3` queued in the transaction switches to.
+    transaction_protocol: Option<bool>,
     reply_off: bool,
     skip_next: bool,
+    /// The transaction being queued cannot be followed past its EXEC.
+    transaction_lost: Option<Lost>,
+    /// Whether any command was seen (an error before that is Valkey's own refusal of the
+    /// connection, such as `max number of clients reached`).
+    requested: bool,
+    /// The client sent input Valkey rejects with a protocol error: Valkey answers it and
+    /// closes, with no command to pair that answer with.
+    rejected: bool,
     // Reply side.
+    /// The pairing found a reply it cannot place.
+    lost: Option<Lost>,
     subscribed: bool,
     /// Subscriptions held, as the confirmations report them: a (un)subscribe or
     /// p(un)subscribe confirmation counts channels and patterns together, an
@@ -202,9 +284,36 @@ impl Pairing {
         self.queue.front().map(|(e, _)| e)
     }
 
-    /// Entries in the queue: runs of like commands (what costs memory).
+    /// Entries in the queue and in the transaction being queued: runs of like commands
+    /// (what costs memory).
     pub fn entries(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.transaction.len()
+    }
+
+    /// Notes one command queued in the transaction (`expect`: its reply inside EXEC's).
+    fn queue_in_transaction(&mut self, expect: Expect) {
+        if self.transaction_overflow {
+            return;
+        }
+        let expect = if expect.is_topology() {
+            expect
+        } else {
+            Expect::Other
+        };
+        if let Some((last, n)) = self.transaction.last_mut() {
+            if *last == expect {
+                *n += 1;
+                return;
+            }
+        }
+        if self.transaction.len() >= MAX_TRANSACTION_RUNS {
+            // Waiting for room cannot help here (only EXEC empties it): give up on this
+            // transaction's rewriting rather than on the connection.
+            self.transaction_overflow = true;
+            self.transaction = Vec::new();
+            return;
+        }
+        self.transaction.push((expect, 1));
     }
 
     /// Replies still expected.
@@ -222,16 +331,39 @@ impl Pairing {
     /// transaction), and `CLIENT REPLY` is refused inside a transaction (an error in place
     /// of `+QUEUED`, and EXEC then aborts).
     pub fn on_request(&mut self, cmd: &Command) {
-        let name = cmd.name();
-        if name == b"reset" {
-            self.in_multi = false;
-            self.transaction.clear();
-            self.reply_off = false;
+        if cmd.argc == 0 {
+            // An empty command: no reply, but it takes the place of the one skipped.
             self.skip_next = false;
-            self.push(Expect::Reset);
             return;
         }
-        if name == b"client" && cmd.arg(1) == b"reply" && cmd.argc == 3 && !self.in_multi {
+        self.requested = true;
+        let name = cmd.name();
+        if name == b"reset" {
+            // Replies off do not silence RESET's (it turns them on first); a skip does.
+            let skipped = std::mem::take(&mut self.skip_next) && !self.reply_off;
+            self.in_multi = false;
+            self.transaction_lost = None;
+            self.transaction.clear();
+            self.transaction_overflow = false;
+            self.transaction_protocol = None;
+            self.reply_off = false;
+            if skipped {
+                self.push(Expect::SkippedReset);
+                self.drop_unanswered();
+            } else {
+                self.push(Expect::Reset);
+            }
+            return;
+        }
+        let client_reply = name == b"client" && cmd.arg(1) == b"reply";
+        if (client_reply || name == b"multi") && !self.resp3_for_sure() && self.maybe_subscribed()
+        {
+            // Refused in RESP2 subscribed mode, and whether that is the mode when Valkey
+            // reads this is not known yet.
+            self.push(Expect::Lost(Lost::SubscribedResp2));
+            return;
+        }
+        if client_reply && cmd.argc == 3 && !self.in_multi {
             match cmd.arg(2) {
                 b"on" => {
                     self.reply_off = false;
@@ -254,6 +386,23 @@ impl Pairing {
             }
         }
         if self.reply_off || std::mem::take(&mut self.skip_next) {
+            if (name == b"hello" && cmd.argc >= 2) || name == b"monitor" {
+                self.push(Expect::Lost(Lost::SwitchWithoutReply));
+                return;
+            }
+            // No reply, but (un)subscribe confirmations are pushed all the same (an error is
+            // not): they are expected as usual, unless the command is one Valkey rejects
+            // for its arity.
+            if let Some(op) = PubSubOp::of(name) {
+                if !self.in_multi && (cmd.argc > 1 || op.unsubscribes()) {
+                    self.push(Expect::PubSub {
+                        op,
+                        channels: cmd.argc - 1,
+                        seen: 0,
+                        quiet: true,
+                    });
+                }
+            }
             return;
         }
         let expect = Expect::of(cmd, self.rewrite_info);
@@ -264,22 +413,53 @@ impl Pairing {
                     // `-EXECABORT`).
                     self.in_multi = false;
                     let tx = std::mem::take(&mut self.transaction);
-                    if cmd.argc == 1 && tx.iter().any(Expect::is_topology) {
+                    let overflow = std::mem::take(&mut self.transaction_overflow);
+                    if let Some(lost) = self.transaction_lost.take() {
+                        if cmd.argc == 1 {
+                            self.transaction_protocol = None;
+                            self.push(Expect::Lost(lost));
+                            return;
+                        }
+                    }
+                    if cmd.argc == 1 && !overflow && tx.iter().any(|(e, _)| e.is_topology()) {
                         self.push(Expect::Exec(tx));
                     } else {
                         self.push(Expect::Other);
                     }
+                    if let Some(resp3) = self.transaction_protocol.take() {
+                        if cmd.argc == 1 {
+                            self.push(Expect::ExecProtocol(resp3));
+                        }
+                    }
                 }
                 b"discard" if cmd.argc == 1 => {
                     self.in_multi = false;
+                    self.transaction_lost = None;
                     self.transaction.clear();
+                    self.transaction_protocol = None;
+                    self.transaction_overflow = false;
                     self.push(Expect::Other);
                 }
                 _ => {
+                    // A HELLO whose syntax makes it succeed switches the protocol when the
+                    // transaction runs (Valkey's check: exactly `2` or `3`, no options).
+                    if PubSubOp::of(name).is_some() {
+                        self.transaction_lost = Some(Lost::SubscribeInTransaction);
+                    }
+                    if name == b"hello" && cmd.argc > 2 && matches!(cmd.arg(1), b"2" | b"3") {
+                        self.transaction_lost = Some(Lost::HelloInTransaction);
+                    }
+                    if name == b"hello" && cmd.argc == 2 {
+                        match cmd.arg(1) {
+                            b"2" => self.transaction_protocol = Some(false),
+                            b"3" => self.transaction_protocol = Some(true),
+                            _ => {}
+                        }
+                    }
                     // `+QUEUED` (or an error) now; the real reply comes inside EXEC's. A
                     // command refused here (an error) aborts the EXEC, so that the queued
                     // list only has to be right when every command was queued.
-                    self.transaction.push(expect);
+                    self.queue_in_transaction(expect);
                     self.push(Expect::Other);
                 }
             }
@@ -288,17 +468,62 @@ impl Pairing {
         if name == b"multi" && cmd.argc == 1 {
             self.in_multi = true;
         }
+        if expect == Expect::Monitor && self.monitor_unanswered() && self.queue.is_empty() {
+            // Every reply came, so monitoring is on: this MONITOR gets no reply.
+            return;
+        }
         self.push(expect);
+    }
+
+    /// The client sent input that Valkey rejects with a protocol error (and then closes).
+    pub fn input_rejected(&mut self) {
+        self.rejected = true;
+    }
+
+    /// Whether replies can no longer be paired from here on: a reply was found that no
+    /// command waits for, or the next reply due comes after a command that cannot be
+    /// followed. The connection is then closed before any more bytes are paired.
+    pub fn lost(&self) -> Option<Lost> {
+        self.lost.or(match self.front() {
+            Some(Expect::Lost(lost)) => Some(*lost),
+            _ => None,
+        })
+    }
+
+    /// Whether the connection may be subscribed when Valkey reads the next command: it is,
+    /// or a subscribe command is still waiting for its confirmations.
+    fn maybe_subscribed(&self) -> bool {
+        // In the order Valkey runs them: a RESET ends every subscription, a subscribe
+        // command may start one (an unsubscribe may not end them all).
+        self.queue
+            .iter()
+            .fold(self.subscribed, |subscribed, (e, _)| match e {
+                Expect::Reset | Expect::SkippedReset => false,
+                Expect::PubSub { op, .. } if !op.unsubscribes() => true,
+                _ => subscribed,
+            })
+    }
+
+    /// Whether the connection speaks RESP3 and no HELLO still due can change that.
+    fn resp3_for_sure(&self) -> bool {
+        self.resp3
+            && !self
+                .queue
+                .iter()
+                .any(|(e, _)| matches!(e, Expect::Hello | Expect::Reset | Expect::ExecProtocol(_)))
     }
 
     /// Whether the reply frame that starts with type byte `ty` must be captured whole: a
     /// topology reply, an error (MOVED/ASK), or an array that may be a RESP2 pub/sub frame.
     pub fn capture(&self, ty: u8) -> bool {
         if self.monitor {
-            // An error answers a command sent while monitoring (a MOVED is rewritten); a
-            // simple string is captured only to spot RESET's reply among the monitor lines.
-            return ty == b'-'
-                || (ty == b'+' && self.queue.iter().any(|(e, _)| *e == Expect::Reset));
+            // Monitor lines are simple strings; a command sent while monitoring is answered
+            // in band, amid them. A simple string is captured while such a command waits,
+            // to tell its reply from a monitor line by shape; any other frame is placed as
+            // usual.
+            if ty == b'+' {
+                return !self.queue.is_empty();
+            }
         }
         let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
         match ty {
@@ -306,35 +531,105 @@ impl Pairing {
             // A push is out of band, but a subscribe waits for its confirmations in pushes.
             b'>' => pubsub_front,
             b'*' if !self.resp3 && (self.subscribed || pubsub_front) => true,
-            _ => self
-                .queue
-                .iter()
-                .map(|(e, _)| e)
-                .find(|e| !matches!(e, Expect::PubSub { .. }))
-                .is_some_and(Expect::is_topology),
+            _ => self.next_in_band().is_some_and(Expect::is_topology),
         }
+    }
+
+    /// Whether the aggregate that starts with type byte `ty` may be a pub/sub frame: it is
+    /// then classified from its first elements ([`PubSubKind::of`]) as they stream by, not
+    /// captured, and placed with [`Pairing::on_classified_reply`]. Checked before
+    /// [`Pairing::capture`].
+    pub fn classify_by_head(&self, ty: u8) -> bool {
+        if self.monitor {
+            return false;
+        }
+        let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
+        match ty {
+            b'>' => pubsub_front,
+            b'*' => !self.resp3 && (self.subscribed || pubsub_front),
+            _ => false,
+        }
+    }
+
+    /// What the next in-band reply answers (subscribe commands ahead of it aside), if known.
+    pub fn next_in_band(&self) -> Option<&Expect> {
+        self.queue.iter().map(|(e, _)| e).find(|e| {
+            // MONITOR on a monitoring connection gets no reply.
+            let unanswered = **e == Expect::Monitor && self.monitor_unanswered();
+            !(matches!(e, Expect::PubSub { .. }) || unanswered)
+        })
+    }
+
+    /// Places a reply that [`Pairing::classify_by_head`] picked out, from what its first
+    /// elements said (`None`: not a pub/sub frame).
+    pub fn on_classified_reply(&mut self, ty: u8, kind: Option<PubSubKind>) -> Answer {
+        self.place(ty, None, kind)
     }
 
     /// Places one complete reply frame. `frame` is given when it was captured.
     pub fn on_reply(&mut self, ty: u8, frame: Option<&Frame<'_>>) -> Answer {
-        if self.monitor {
-            let reset = matches!(frame, Some(Frame::Simple(s)) if s.as_ref() == b"RESET");
-            if !reset {
+        self.place(ty, frame, frame.and_then(pubsub_kind))
+    }
+
+    fn place(&mut self, ty: u8, frame: Option<&Frame<'_>>, kind: Option<PubSubKind>) -> Answer {
+        let answer = self.place_inner(ty, frame, kind);
+        if let (Answer::InBand(_), Some(Expect::ExecProtocol(resp3))) = (&answer, self.front()) {
+            // The reply just placed is EXEC's: an array if the transaction ran.
+            if ty == b'*' {
+                self.resp3 = *resp3;
+            }
+            self.pop();
+        }
+        self.drop_unanswered();
+        answer
+    }
+
+    /// Whether MONITOR now gets no reply: when monitoring already, unless the connection is
+    /// subscribed in RESP2 (then it is refused with an error).
+    fn monitor_unanswered(&self) -> bool {
+        self.monitor && (self.resp3 || !self.subscribed)
+    }
+
+    /// Entries at the front that get no reply are taken off, so that what is next is
+    /// seen: MONITOR on a monitoring connection, and a skipped RESET (which takes effect).
+    fn drop_unanswered(&mut self) {
+        loop {
+            match self.front() {
+                Some(Expect::Monitor) if self.monitor_unanswered() => {}
+                Some(Expect::SkippedReset) => self.reset_replies(),
+                _ => return,
+            }
+            self.pop();
+        }
+    }
+
+    fn place_inner(
+        &mut self,
+        ty: u8,
+        frame: Option<&Frame<'_>>,
+        kind: Option<PubSubKind>,
+    ) -> Answer {
+        if self.monitor && ty == b'+' {
+            let Some(Frame::Simple(line)) = frame else {
+                return Answer::OutOfBand;
+            };
+            if is_monitor_line(line) {
                 return Answer::OutOfBand;
             }
-            // Commands sent while monitoring got replies that were taken for monitor output;
-            // RESET's reply ends all that.
-            while let Some(e) = self.pop() {
-                if e == Expect::Reset {
-                    break;
+            if line.as_ref() == b"RESET" {
+                // RESET's reply ends monitoring (and answers the first RESET waiting).
+                while let Some(e) = self.pop() {
+                    if e == Expect::Reset {
+                        break;
+                    }
                 }
+                self.reset_replies();
+                return Answer::InBand(Expect::Reset);
             }
-            self.reset_replies();
-            return Answer::InBand(Expect::Reset);
         }
         let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
         if ty == b'>' || (ty == b'*' && !self.resp3 && (self.subscribed || pubsub_front)) {
-            match frame.and_then(pubsub_kind) {
+            match kind {
                 Some(PubSubKind::Confirmation(op, count)) => {
                     self.confirmed(op, count);
                     return Answer::OutOfBand;
@@ -346,7 +641,12 @@ impl Pairing {
                 _ => {}
             }
         }
-        if let Some(Expect::PubSub { seen: 0, .. }) = self.front() {
+        if let Some(Expect::PubSub {
+            seen: 0,
+            quiet: false,
+            ..
+        }) = self.front()
+        {
             if ty == b'-' {
                 // One error answers a whole subscribe command.
                 return Answer::InBand(self.pop().unwrap_or(Expect::Other));
@@ -356,8 +656,27 @@ impl Pairing {
         while matches!(self.front(), Some(Expect::PubSub { .. })) {
             self.pop();
         }
-        let expect = self.pop().unwrap_or(Expect::Other);
+        let expect = match self.pop() {
+            Some(e) => e,
+            None => {
+                // Valkey's answer to input it rejected (a protocol error, after which it
+                // closes), or its refusal of a connection before any command, is an error
+                // no command waits for; anything else is a reply this pairing cannot place.
+                let protocol_error = matches!(
+                    frame,
+                    Some(Frame::Error(e)) if e.starts_with(b"ERR Protocol error")
+                );
+                if !(self.rejected || protocol_error || (ty == b'-' && !self.requested)) {
+                    self.lost.get_or_insert(Lost::UnpairedReply);
+                }
+                Expect::Other
+            }
+        };
         match expect {
+            // Reached behind subscribe commands that only this reply ended.
+            Expect::Lost(lost) => {
+                self.lost.get_or_insert(lost);
+            }
             Expect::Monitor if ty == b'+' => self.monitor = true,
             Expect::Reset => self.reset_replies(),
             Expect::Hello if ty == b'%' => self.resp3 = true,
@@ -402,6 +721,7 @@ impl Pairing {
                 op: want,
                 channels,
                 seen,
+                quiet,
             },
             n,
         )) = self.queue.front_mut()
@@ -411,7 +731,7 @@ impl Pairing {
         if *want != op {
             return; // Unasked too: an sunsubscribe when a slot moves away.
         }
-        let (channels, seen) = (*channels, *seen + 1);
+        let (channels, seen, quiet) = (*channels, *seen + 1, *quiet);
         let done = if channels == 0 {
             left == 0
         } else {
@@ -421,8 +741,13 @@ impl Pairing {
         if *n > 1 {
             *n -= 1;
             if !done {
-                self.queue
-                    .push_front((Expect::PubSub { op, channels, seen }, 1));
+                let e = Expect::PubSub {
+                    op,
+                    channels,
+                    seen,
+                    quiet,
+                };
+                self.queue.push_front((e, 1));
             }
         } else if done {
             self.queue.pop_front();
@@ -432,8 +757,9 @@ impl Pairing {
     }
 }
 
+/// What a pub/sub-looking aggregate is, by its first elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PubSubKind {
+pub enum PubSubKind {
     Message,
     /// A (un)subscribe confirmation, with the subscription count it reports.
     Confirmation(PubSubOp, i64),
@@ -441,20 +767,47 @@ enum PubSubKind {
     Pong,
 }
 
+impl PubSubKind {
+    /// From an aggregate's first element, a string (`first`), and its third (`third`,
+    /// only read for a confirmation: the subscription count).
+    pub fn of(first: &[u8], third: Option<&Frame<'_>>) -> Option<PubSubKind> {
+        let name = first.to_ascii_lowercase();
+        match name.as_slice() {
+            b"message" | b"pmessage" | b"smessage" => Some(PubSubKind::Message),
+            b"pong" => Some(PubSubKind::Pong),
+            name => PubSubOp::of(name)
+                .map(|op| PubSubKind::Confirmation(op, third.and_then(Frame::as_int).unwrap_or(0))),
+        }
+    }
+
+    /// Whether the third element is needed to know what the frame does.
+    pub fn wants_third(first: &[u8]) -> bool {
+        PubSubOp::of(&first.to_ascii_lowercase()).is_some()
+    }
+}
+
+/// Whether a simple string has the shape of a MONITOR line, which no reply to a command
+/// has: `<seconds>.<micros> [<db> <client>] ...` (`[<db> lua]` from a script).
+fn is_monitor_line(s: &[u8]) -> bool {
+    let digits = |b: &[u8]| !b.is_empty() && b.iter().all(u8::is_ascii_digit);
+    let Some(dot) = s.iter().position(|&b| b == b'.') else {
+        return false;
+    };
+    let Some(open) = s.windows(2).position(|w| w == b" [") else {
+        return false;
+    };
+    dot < open
+        && digits(&s[..dot])
+        && digits(&s[dot + 1..open])
+        && s[open..].windows(2).any(|w| w == b"] ")
+}
+
 /// Whether a RESP2 array is a pub/sub frame, by its first element.
 fn pubsub_kind(f: &Frame<'_>) -> Option<PubSubKind> {
     let Frame::Array(b'*' | b'>', items) = f else {
         return None;
     };
-    let first = items.first()?.as_bytes()?;
-    let name = first.to_ascii_lowercase();
-    match name.as_slice() {
-        b"message" | b"pmessage" | b"smessage" => Some(PubSubKind::Message),
-        b"pong" => Some(PubSubKind::Pong),
-        name => PubSubOp::of(name).map(|op| {
-            PubSubKind::Confirmation(op, items.get(2).and_then(Frame::as_int).unwrap_or(0))
-        }),
-    }
+    PubSubKind::of(items.first()?.as_bytes()?, items.get(2))
 }
 
 #[cfg(test)]
@@ -517,7 +870,10 @@ mod tests {
         );
         assert_eq!(
             got[3],
-            InBand(Expect::Exec(vec![Expect::Other, Expect::ClusterShards]))
+            InBand(Expect::Exec(vec![
+                (Expect::Other, 1),
+                (Expect::ClusterShards, 1)
+            ]))
         );
         assert_eq!(got[6], InBand(Expect::Other));
         assert_eq!(got[7], InBand(Expect::ClusterSlots));
@@ -580,7 +936,8 @@ mod tests {
                 InBand(Expect::PubSub {
                     op: PubSubOp::SSubscribe,
                     channels: 1,
-                    seen: 0
+                    seen: 0,
+                    quiet: false,
                 }),
                 InBand(Expect::ClusterSlots)
             ]
@@ -609,7 +966,12 @@ mod tests {
         );
         let got = pair(
             b"MONITOR\r\nRESET\r\nCLUSTER SLOTS\r\n",
-            &[b"+OK\r\n", b"+1 \"get\"\r\n", b"+RESET\r\n", b"*0\r\n"],
+            &[
+                b"+OK\r\n",
+                b"+1764547200.000001 [0 10.0.0.9:50000] \"get\"\r\n",
+                b"+RESET\r\n",
+                b"*0\r\n",
+            ],
         );
         assert_eq!(
             got,
@@ -702,15 +1064,262 @@ mod tests {
             b"MONITOR\r\nGET a\r\nRESET\r\nCLUSTER SLOTS\r\n",
             &[
                 b"+OK\r\n",
-                b"+1 \"get\" \"a\"\r\n",
+                b"+1764547200.000001 [0 10.0.0.9:50000] \"get\" \"a\"\r\n",
                 b"$-1\r\n",
                 b"+RESET\r\n",
                 b"*0\r\n",
             ],
         );
         assert_eq!(
+            got[1..],
+            [
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::Reset),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+    }
+
+    /// Found by the differential fuzzer: an empty command (`*0`, `*-1`, an empty line) is
+    /// the one a `CLIENT REPLY SKIP` skips; a line of blanks is not.
+    #[test]
+    fn an_empty_command_is_the_one_skipped() {
+        for empty in [&b"*0\r\n"[..], b"*-1\r\n", b"\r\n", b"\n"] {
+            let mut requests = b"CLIENT REPLY SKIP\r\n".to_vec();
+            requests.extend_from_slice(empty);
+            requests.extend_from_slice(b"CLUSTER NODES\r\n");
+            let got = pair(&requests, &[b"$0\r\n\r\n"]);
+            assert_eq!(got, [InBand(Expect::ClusterNodes)], "{empty:?}");
+        }
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\n \t \r\nGET k\r\nCLUSTER NODES\r\n",
+            &[b"$0\r\n\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::ClusterNodes)]);
+    }
+
+    /// Found by the differential fuzzer: with replies off or skipped, (un)subscribe
+    /// confirmations still come (an error does not).
+    #[test]
+    fn confirmations_come_with_replies_off() {
+        let c = |kind: &str, ch: &str, n: u8| {
+            format!(
+                "*3\r\n${}\r\n{kind}\r\n${}\r\n{ch}\r\n:{n}\r\n",
+                kind.len(),
+                ch.len()
+            )
+            .into_bytes()
+        };
+        let got = pair(
+            b"CLIENT REPLY OFF\r\nSUBSCRIBE\r\nSUBSCRIBE pong\r\nRESET\r\nCLUSTER SHARDS\r\n",
+            &[&c("subscribe", "pong", 1), b"+RESET\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got,
+            [
+                OutOfBand,
+                InBand(Expect::Reset),
+                InBand(Expect::ClusterShards)
+            ]
+        );
+        // An SSUBSCRIBE refused (a shard channel of another node) gets no error then: the
+        // next error is the next command's.
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {x}s\r\nDISCARD\r\nCLUSTER NODES\r\n",
+            &[b"-ERR DISCARD without MULTI\r\n", b"$0\r\n\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterNodes)]);
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nSUBSCRIBE a\r\nPING\r\nUNSUBSCRIBE\r\nCLUSTER SLOTS\r\n",
+            &[
+                &c("subscribe", "a", 1),
+                b"*2\r\n$4\r\npong\r\n$0\r\n\r\n",
+                &c("unsubscribe", "a", 0),
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            [
+                OutOfBand,
+                InBand(Expect::Other),
+                OutOfBand,
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+    }
+
+    /// HELLO queued in a transaction switches the protocol when EXEC runs it, not when it
+    /// aborts.
+    #[test]
+    fn hello_inside_a_transaction() {
+        let push = b">3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n";
+        let array = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$1\r\nx\r\n";
+        let got = pair(
+            b"MULTI\r\nHELLO 3\r\nEXEC\r\nSUBSCRIBE ch\r\nLRANGE l 0 -1\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"+OK\r\n",
+                b"+QUEUED\r\n",
+                b"*1\r\n%0\r\n",
+                push,
+                array,
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
             got[3..],
-            [InBand(Expect::Reset), InBand(Expect::ClusterSlots)]
+            [
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+        // Aborted (an unknown command was refused): still RESP2, where the array is a
+        // message.
+        let got = pair(
+            b"MULTI\r\nHELLO 3\r\nNOSUCH\r\nEXEC\r\nSUBSCRIBE ch\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"+OK\r\n",
+                b"+QUEUED\r\n",
+                b"-ERR unknown command\r\n",
+                b"-EXECABORT x\r\n",
+                &push.map(|b| if b == b'>' { b'*' } else { b }),
+                array,
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got[4..],
+            [OutOfBand, OutOfBand, InBand(Expect::ClusterSlots)]
+        );
+    }
+
+    /// Found by the differential fuzzer: a command sent while monitoring is answered in
+    /// band, amid the monitor lines, and a topology reply then is rewritten like any other;
+    /// a simple-string reply is told from a monitor line by shape.
+    #[test]
+    fn commands_sent_while_monitoring_are_answered_in_band() {
+        // MONITOR again: no reply at all.
+        let got = pair(
+            b"MONITOR\r\nMONITOR\r\nMONITOR x\r\nCLUSTER NODES\r\nMONITOR\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"+OK\r\n",
+                b"-ERR wrong number\r\n",
+                b"$0\r\n\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got[1..],
+            [
+                InBand(Expect::Other),
+                InBand(Expect::ClusterNodes),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+        // Subscribed in RESP2, a second MONITOR is refused with an error (found by the
+        // fuzzer); the monitor line of the PSUBSCRIBE comes after its confirmations.
+        let got = pair(
+            b"MONITOR\r\nPSUBSCRIBE p*\r\nMONITOR\r\nRESET\r\nCLUSTER SLOTS\r\n",
+            &[
+                b"+OK\r\n",
+                b"*3\r\n$10\r\npsubscribe\r\n$2\r\np*\r\n:1\r\n",
+                b"+1796085873.286728 [0 127.0.0.1:58604] \"PSUBSCRIBE\" \"p*\"\r\n",
+                b"-ERR Can't execute 'monitor'\r\n",
+                b"+RESET\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got[1..],
+            [
+                OutOfBand,
+                OutOfBand,
+                InBand(Expect::Monitor),
+                InBand(Expect::Reset),
+                InBand(Expect::ClusterSlots)
+            ]
+        );
+        // A skipped RESET ends monitoring all the same.
+        let got = pair(
+            b"MONITOR\r\nCLIENT REPLY SKIP\r\nRESET\r\nCLUSTER SHARDS\r\n",
+            &[b"+OK\r\n", b"*0\r\n"],
+        );
+        assert_eq!(
+            got,
+            [InBand(Expect::Monitor), InBand(Expect::ClusterShards)]
+        );
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nRESET\r\nCLUSTER SHARDS\r\n",
+            &[b"*0\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::ClusterShards)]);
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        s.feed(b"MONITOR\r\nMONITOR\r\nCLUSTER SLOTS\r\n", |c| {
+            p.on_request(c)
+        })
+        .unwrap();
+        p.on_reply(b'+', Some(&Frame::Simple(b"OK"[..].into())));
+        // The reply after is CLUSTER SLOTS', captured to be rewritten.
+        assert!(p.capture(b'*'));
+        // A confirmation after a second MONITOR is one (found by the fuzzer).
+        let got = pair(
+            b"MONITOR\r\nMONITOR\r\nUNSUBSCRIBE\r\nPUBLISH ch x\r\nCLUSTER SHARDS\r\n",
+            &[
+                b"+OK\r\n",
+                b"*3\r\n$11\r\nunsubscribe\r\n$-1\r\n:0\r\n",
+                b":0\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got[1..],
+            [
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::ClusterShards)
+            ]
+        );
+        let got = pair(
+            b"MONITOR\r\nUNSUBSCRIBE ch x\r\nCLUSTER NODES\r\n",
+            &[
+                b"+OK\r\n",
+                b"*3\r\n$11\r\nunsubscribe\r\n$2\r\nch\r\n:0\r\n",
+                b"*3\r\n$11\r\nunsubscribe\r\n$1\r\nx\r\n:0\r\n",
+                b"$0\r\n\r\n",
+            ],
+        );
+        assert_eq!(
+            got[1..],
+            [OutOfBand, OutOfBand, InBand(Expect::ClusterNodes)]
+        );
+        let got = pair(
+            b"MONITOR\r\nCLUSTER SLOTS\r\nSET k v\r\nGET k\r\nCLUSTER NODES\r\n",
+            &[
+                b"+OK\r\n",
+                b"+1764547200.000001 [0 10.0.0.9:50000] \"set\" \"k\" \"x\"\r\n",
+                b"*0\r\n",
+                b"+1764547200.000002 [0 lua] \"get\" \"k\"\r\n",
+                b"+OK\r\n",
+                b"$1\r\nv\r\n",
+                b"$0\r\n\r\n",
+                b"+1764547200.000003 [0 10.0.0.9:50000] \"get\" \"k\"\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            [
+                InBand(Expect::Monitor),
+                OutOfBand,
+                InBand(Expect::ClusterSlots),
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::Other),
+                InBand(Expect::ClusterNodes),
+                OutOfBand,
+            ]
         );
     }
 
@@ -869,5 +1478,93 @@ mod tests {
         s.feed(&req, |c| p.on_request(c)).unwrap();
         assert_eq!(p.pending(), 1_000_000);
         assert_eq!(p.queue.len(), 1);
+    }
+
+    /// Requests fed, then replies placed one by one: `lost()` after each.
+    fn lost_after(requests: &[u8], replies: &[&[u8]]) -> Vec<Option<Lost>> {
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        s.feed(requests, |c| p.on_request(c)).unwrap();
+        let mut got = vec![p.lost()];
+        for r in replies {
+            let ty = r[0];
+            let frame = parse(r).unwrap().0;
+            let captured = p.capture(ty);
+            p.on_reply(ty, captured.then_some(&frame));
+            got.push(p.lost());
+        }
+        got
+    }
+
+    #[test]
+    fn what_cannot_be_followed_is_lost_at_its_place_in_the_reply_stream() {
+        use Lost::*;
+        // A subscribe in a transaction: followed up to EXEC, lost there.
+        let got = lost_after(
+            b"MULTI\r\nSUBSCRIBE c\r\nEXEC\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n"],
+        );
+        assert_eq!(got, [None, None, Some(SubscribeInTransaction)]);
+        // ... unless it is discarded.
+        let got = lost_after(
+            b"MULTI\r\nSUBSCRIBE c\r\nDISCARD\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n", b"+OK\r\n", b"*0\r\n"],
+        );
+        assert!(got.iter().all(Option::is_none), "{got:?}");
+        // HELLO with options in a transaction.
+        let got = lost_after(
+            b"MULTI\r\nHELLO 3 AUTH u p\r\nEXEC\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n"],
+        );
+        assert_eq!(got[2], Some(HelloInTransaction));
+        // HELLO and MONITOR with no reply to confirm them.
+        for requests in [
+            &b"CLIENT REPLY OFF\r\nHELLO 3\r\nCLIENT REPLY ON\r\n"[..],
+            b"CLIENT REPLY SKIP\r\nMONITOR\r\n",
+        ] {
+            assert_eq!(lost_after(requests, &[]), [Some(SwitchWithoutReply)]);
+        }
+        // CLIENT REPLY or MULTI once a RESP2 connection is (or may be) subscribed.
+        let got = lost_after(
+            b"SUBSCRIBE c\r\nCLIENT REPLY SKIP\r\nGET k\r\n",
+            &[b"*3\r\n$9\r\nsubscribe\r\n$1\r\nc\r\n:1\r\n"],
+        );
+        assert_eq!(got, [None, Some(SubscribedResp2)]);
+        // A RESET still due ends the subscription first.
+        let got = lost_after(b"SUBSCRIBE c\r\nRESET\r\nCLIENT REPLY SKIP\r\n", &[]);
+        assert_eq!(got, [None]);
+        // Behind a subscribe that only an in-band reply ends, it is still found.
+        let got = lost_after(b"SUBSCRIBE c\r\nMULTI\r\n", &[b"+OK\r\n"]);
+        assert_eq!(got, [None, Some(SubscribedResp2)]);
+        // In RESP3 both are allowed while subscribed: followed as usual, once HELLO's
+        // reply said RESP3 (pipelined behind HELLO, the pairing cannot know yet and gives
+        // up).
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        s.feed(b"HELLO 3\r\n", |c| p.on_request(c)).unwrap();
+        p.on_reply(b'%', None);
+        s.feed(b"SUBSCRIBE c\r\nMULTI\r\n", |c| p.on_request(c))
+            .unwrap();
+        assert_eq!(p.lost(), None);
+    }
+
+    #[test]
+    fn a_reply_no_command_waits_for_is_lost_but_a_refused_connection_is_not() {
+        let got = lost_after(b"GET k\r\n", &[b"$1\r\nv\r\n", b"$1\r\nw\r\n"]);
+        assert_eq!(got, [None, None, Some(Lost::UnpairedReply)]);
+        // Valkey refuses a connection (maxclients, protected mode) before any command.
+        let got = lost_after(b"", &[b"-ERR max number of clients reached\r\n"]);
+        assert_eq!(got, [None, None]);
+        // Nor its protocol errors, for input the proxy took for a command.
+        let got = lost_after(
+            b"GET k\r\n",
+            &[b"$1\r\nv\r\n", b"-ERR Protocol error: invalid bulk length\r\n"],
+        );
+        assert_eq!(got, [None, None, None]);
+        // Its answer to input it rejects has no command either.
+        let mut p = Pairing::new(true);
+        p.input_rejected();
+        p.on_reply(b'-', None);
+        assert_eq!(p.lost(), None);
     }
 }

@@ -30,7 +30,7 @@ impl Command {
     /// Whether the reply to this command depends on its arguments, so that they are worth
     /// keeping (the keys and values of data commands are not).
     fn wants_args(&self) -> bool {
-        matches!(self.name(), b"cluster" | b"client" | b"info")
+        matches!(self.name(), b"cluster" | b"client" | b"info" | b"hello")
     }
 
     fn keep(&mut self, i: u64, bytes: &[u8]) {
@@ -65,6 +65,8 @@ enum State {
     Arg { left: u64 },
     /// In an inline command's line.
     Inline,
+    /// After bytes Valkey rejects (`doomed`), until it would say so.
+    Doomed,
 }
 
 /// The request scanner; one per connection.
@@ -79,6 +81,12 @@ pub struct RequestScanner {
     index: u64,
     /// After an error the stream cannot be followed any more: every later call fails too.
     failed: Option<RespError>,
+    /// The error of [`State::Doomed`], and the bytes seen since.
+    doomed: Option<RespError>,
+    doomed_len: usize,
+    doomed_cr: bool,
+    /// The current argument's CRLF is wrong.
+    bad_terminator: bool,
 }
 
 impl Default for RequestScanner {
@@ -97,10 +105,16 @@ impl RequestScanner {
             args_left: 0,
             index: 0,
             failed: None,
+            doomed: None,
+            doomed_len: 0,
+            doomed_cr: false,
+            bad_terminator: false,
         }
     }
 
-    /// Consumes `buf`, calling `on_command` for every command that completes in it.
+    /// Consumes `buf`, calling `on_command` for every command that completes in it, and
+    /// for every empty command (`*0`, `*-1`, an empty inline line: `argc` 0), which Valkey
+    /// answers with nothing but which uses up a `CLIENT REPLY SKIP`.
     pub fn feed(&mut self, buf: &[u8], on_command: impl FnMut(&Command)) -> Result<(), RespError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
@@ -142,14 +156,26 @@ impl RequestScanner {
                         if line.len() > self.max_line {
                             return Err(RespError::LineTooLong(self.max_line));
                         }
-                        self.line_done(line.strip_suffix(b"\r").unwrap_or(line), &mut on_command)
+                        match self.strip_cr(line)? {
+                            Some(line) => self.line_done(line, &mut on_command),
+                            None => {
+                                self.doom(invalid_length(line));
+                                Ok(())
+                            }
+                        }
                     } else {
                         self.push_line(&buf[i..end])?;
                         let mut line = std::mem::take(&mut self.line);
-                        if line.last() == Some(&b'\r') {
-                            line.pop();
-                        }
-                        let r = self.line_done(&line, &mut on_command);
+                        let r = match self.strip_cr(&line)?.map(<[u8]>::len) {
+                            Some(len) => {
+                                line.truncate(len);
+                                self.line_done(&line, &mut on_command)
+                            }
+                            None => {
+                                self.doom(invalid_length(&line));
+                                Ok(())
+                            }
+                        };
                         line.clear();
                         self.line = line;
                         r
@@ -159,10 +185,34 @@ impl RequestScanner {
                 }
                 State::ArgType => {
                     if buf[i] != b'$' {
-                        return Err(RespError::Type(buf[i]));
+                        self.doom(RespError::Type(buf[i]));
+                        continue;
                     }
                     i += 1;
                     self.state = State::ArgLen;
+                }
+                State::Doomed => {
+                    // Valkey reports the error once a CR and the byte after it came (until
+                    // then it waits for the line to end): so does the scanner, so that the
+                    // bytes forwarded make Valkey answer with that error.
+                    let cr_then_more = match memchr::memchr(b'\r', &buf[i..]) {
+                        _ if self.doomed_cr => true,
+                        Some(p) if i + p + 1 < buf.len() => true,
+                        Some(_) => {
+                            self.doomed_cr = true;
+                            false
+                        }
+                        None => false,
+                    };
+                    if cr_then_more {
+                        let e = self.doomed.take().unwrap_or(RespError::Type(b'?'));
+                        return Err(e);
+                    }
+                    self.doomed_len += buf.len() - i;
+                    if self.doomed_len > self.max_line {
+                        return Err(RespError::LineTooLong(self.max_line));
+                    }
+                    return Ok(());
                 }
                 State::Arg { left } => {
                     let take = ((buf.len() - i) as u64).min(left) as usize;
@@ -174,13 +224,19 @@ impl RequestScanner {
                     {
                         self.cmd.keep(self.index, &buf[i..i + keep]);
                     }
-                    // The CRLF after the payload must be there.
-                    super::scanner::check_terminator(&buf[i..i + take], left)?;
+                    // The CRLF after the payload must be there; Valkey checks it once both
+                    // bytes came.
+                    if super::scanner::check_terminator(&buf[i..i + take], left).is_err() {
+                        self.bad_terminator = true;
+                    }
                     i += take;
                     let left = left - take as u64;
                     if left > 0 {
                         self.state = State::Arg { left };
                         return Ok(());
+                    }
+                    if self.bad_terminator {
+                        return Err(RespError::Terminator);
                     }
                     self.index += 1;
                     self.args_left -= 1;
@@ -196,6 +252,30 @@ impl RequestScanner {
         Ok(())
     }
 
+    /// A line without its CR. A RESP header line (`*<n>`, `$<n>`) ends at its first CR,
+    /// which Valkey requires to be followed by LF ("invalid CRLF in request"), and a header
+    /// ended by a bare LF is no number ("invalid ... length"); an inline line ends at its LF,
+    /// with the CR before it optional.
+    ///
+    /// `None` for a header with no CR: Valkey reads on to the next CR, and rejects it then.
+    fn strip_cr<'l>(&self, line: &'l [u8]) -> Result<Option<&'l [u8]>, RespError> {
+        if self.state == State::Inline {
+            return Ok(Some(line.strip_suffix(b"\r").unwrap_or(line)));
+        }
+        match memchr::memchr(b'\r', line) {
+            Some(cr) if cr + 1 == line.len() => Ok(Some(&line[..cr])),
+            Some(_) => Err(RespError::Terminator),
+            None => Ok(None),
+        }
+    }
+
+    /// Valkey rejects what came with `e`, once a CR follows.
+    fn doom(&mut self, e: RespError) {
+        self.state = State::Doomed;
+        self.doomed = Some(e);
+        self.doomed_len = 0;
+    }
+
     fn push_line(&mut self, part: &[u8]) -> Result<(), RespError> {
         if self.line.len() + part.len() > self.max_line {
             return Err(RespError::LineTooLong(self.max_line));
@@ -209,34 +289,33 @@ impl RequestScanner {
         line: &[u8],
         on_command: &mut impl FnMut(&Command),
     ) -> Result<(), RespError> {
-        let number = |line: &[u8]| -> Result<u64, RespError> {
-            if line.is_empty() || line.len() > 19 || !line.iter().all(u8::is_ascii_digit) {
-                return Err(RespError::Length(
-                    String::from_utf8_lossy(line).into_owned(),
-                ));
-            }
-            Ok(line.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
-        };
+        let invalid = invalid_length;
         match self.state {
             State::Count => {
-                // `*0` and `*-1` are skipped by Valkey without a reply.
-                if line == b"-1" {
+                let n = header_number(line).ok_or_else(|| invalid(line))?;
+                // A count of 0 or less is an empty command (no reply); one past `INT_MAX`
+                // is a protocol error.
+                if n <= 0 {
                     self.state = State::Start;
+                    on_command(&self.cmd);
                     return Ok(());
                 }
-                let n = number(line)?;
-                if n == 0 {
-                    self.state = State::Start;
-                    return Ok(());
+                if n > i64::from(i32::MAX) {
+                    return Err(invalid(line));
                 }
+                let n = n.unsigned_abs();
                 self.cmd.argc = n;
                 self.args_left = n;
                 self.index = 0;
                 self.state = State::ArgType;
             }
             State::ArgLen => {
-                let n = number(line)?;
-                self.state = State::Arg { left: n + 2 };
+                let n = header_number(line)
+                    .and_then(|n| u64::try_from(n).ok())
+                    .ok_or_else(|| invalid(line))?;
+                self.state = State::Arg {
+                    left: n.saturating_add(2),
+                };
             }
             State::Inline => {
                 self.state = State::Start;
@@ -255,8 +334,9 @@ impl RequestScanner {
                         self.cmd.keep(k as u64, w);
                     }
                 }
-                // An empty line is ignored by Valkey, without a reply.
-                if !words.is_empty() {
+                // An empty line is an empty command (no reply); a line of blanks is nothing
+                // at all (it does not even use up a `CLIENT REPLY SKIP`).
+                if !words.is_empty() || line.is_empty() {
                     self.cmd.argc = words.len() as u64;
                     on_command(&self.cmd);
                 }
@@ -265,6 +345,53 @@ impl RequestScanner {
         }
         Ok(())
     }
+}
+
+fn invalid_length(line: &[u8]) -> RespError {
+    RespError::Length(String::from_utf8_lossy(line).into_owned())
+}
+
+/// A header's number as Valkey reads it (`string2ll`): an optional `-`, then digits with
+/// no leading zero (`0` alone excepted), within an `i64`. `None` is Valkey's "invalid
+/// multibulk length" or "invalid bulk length".
+fn header_number(line: &[u8]) -> Option<i64> {
+    let (negative, digits) = match line.strip_prefix(b"-") {
+        Some(rest) => (true, rest),
+        None => (false, line),
+    };
+    match digits {
+        [] => return None,
+        [b'0'] if negative => return None,
+        [b'0', _, ..] => return None,
+        _ => {}
+    }
+    let mut n: i64 = 0;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        let d = i64::from(d - b'0');
+        n = n.checked_mul(10).and_then(|n| {
+            if negative {
+                n.checked_sub(d)
+            } else {
+                n.checked_add(d)
+            }
+        })?;
+    }
+    Some(n)
+}
+
+/// Whether Valkey itself rejects a request stream that the scanner failed on with `e`, at
+/// the same command, with a protocol error of its own ("invalid multibulk length", "invalid
+/// bulk length", "expected '$', got ...", "invalid CRLF in request") after which it runs
+/// nothing and closes. Such a stream can be forwarded as it is, so that the client gets
+/// Valkey's own error line, as a direct connection does.
+pub fn valkey_rejects(e: &RespError) -> bool {
+    matches!(
+        e,
+        RespError::Type(_) | RespError::Length(_) | RespError::Terminator
+    )
 }
 
 /// Splits an inline command into its arguments as Valkey 9 does (`sdssplitargs`): blanks
@@ -383,13 +510,62 @@ mod tests {
             Err(RespError::Terminator)
         );
         assert!(commands(b"*1\r\n+PING\r\n", &[]).is_err());
-        // Found by the fuzzer: a zero count spelled `00` is an empty command, not a panic;
-        // what follows is read as Valkey reads it (inline).
-        let got = commands(b"*00\r\n$1\r\nx\r\n", &[]).unwrap();
-        assert_eq!(
-            got,
-            vec![(b"$1".to_vec(), vec![], 1), (b"x".to_vec(), vec![], 1)]
-        );
+    }
+
+    /// The headers Valkey 9.1 accepts, skips and rejects, as it answered them (a rejection
+    /// is "-ERR Protocol error: ..." and a close; a skip is no reply at all).
+    #[test]
+    fn headers_are_read_as_valkey_reads_them() {
+        let (empty, ping) = ((vec![], vec![], 0), (b"ping".to_vec(), vec![], 1));
+        // Empty commands: a count of 0 or less.
+        for skipped in [&b"*0\r\n"[..], b"*-1\r\n", b"*-5\r\n"] {
+            let mut input = skipped.to_vec();
+            input.extend_from_slice(b"*1\r\n$4\r\nPING\r\n");
+            assert_eq!(
+                commands(&input, &[]),
+                Ok(vec![empty.clone(), ping.clone()]),
+                "{input:?}"
+            );
+        }
+        // Rejected, each with the error Valkey's own rejection is recognised by.
+        for (input, msg) in [
+            (&b"*00\r\n"[..], "invalid multibulk length"),
+            (b"*-0\r\n", "invalid multibulk length"),
+            (b"*+1\r\n", "invalid multibulk length"),
+            (b"*abc\r\n", "invalid multibulk length"),
+            (b"*2147483648\r\n", "invalid multibulk length"),
+            (b"*1 \r\n", "invalid multibulk length"),
+            (b"*1\n$4\r\nPING\r\n", "invalid multibulk length"),
+            (b"*1\r\n$abc\r\n", "invalid bulk length"),
+            (b"*1\r\n$04\r\nPING\r\n", "invalid bulk length"),
+            (b"*1\r\n$-1\r\n", "invalid bulk length"),
+            (b"*1\r\n$\r\n", "invalid bulk length"),
+            (b"*1\r\n+PING\r\n", "expected '$', got '+'"),
+            (b"*1\rX$4\r\nPING\r\n", "invalid CRLF in request"),
+            (b"*1\r\n$4\rXPING\r\n", "invalid CRLF in request"),
+            (b"*1\r\n$4\r\nPINGxx\r\n", "invalid CRLF in request"),
+        ] {
+            let e = commands(input, &[]).expect_err(msg);
+            assert!(valkey_rejects(&e), "{msg}: {e}");
+        }
+        // Valkey says so only once the CR that ends the bad line (or both bytes of a bad
+        // CRLF) came: until then, neither does the scanner (found by the differential
+        // fuzzer: the proxy gave up, and shut the backend's side, before Valkey answered).
+        for (first, rest) in [
+            (&b"*1\r\n+PI"[..], &b"NG\r\n"[..]),
+            (b"*1\r\n+PING\r", b"\n"),
+            (b"*1\n$4", b"\r\nPING\r\n"),
+            (b"*1\r\n$4\r\nPINGx", b"x"),
+        ] {
+            let mut s = RequestScanner::default();
+            assert_eq!(s.feed(first, |_| {}), Ok(()), "{first:?}");
+            let e = s.feed(rest, |_| {}).expect_err("rejected");
+            assert!(valkey_rejects(&e), "{e}");
+        }
+        // Accepted: the largest count (Valkey then waits for the arguments).
+        assert_eq!(commands(b"*2147483647\r\n", &[]), Ok(vec![]));
+        assert_eq!(header_number(b"-9223372036854775808"), Some(i64::MIN));
+        assert_eq!(header_number(b"9223372036854775808"), None);
     }
 
     #[test]

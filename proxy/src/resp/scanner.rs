@@ -7,12 +7,21 @@
 //! of redis-protocol restart from the beginning, which is quadratic on a large reply that
 //! arrives in small pieces).
 //!
-//! Memory is bounded: a line (header, simple string, error) longer than `max_line` and
-//! aggregates nested deeper than [`MAX_DEPTH`] are errors, and the only bytes kept between
-//! calls are the part of a line not yet terminated.
+//! Memory is bounded whatever the frame: the text of simple lines (strings, errors,
+//! numbers) is never kept, so they pass at any length; only headers (lengths and counts)
+//! are kept while split across reads, and a header longer than `max_line` is an error (a
+//! valid one has at most 20 digits). Aggregates nested deeper than [`MAX_DEPTH`] are
+//! refused: the stack of counts is the one thing that grows with the input.
+//!
+//! [`Scanner::scan_parts`] also stops inside a top-level aggregate, after its header and
+//! after each of its elements, so that a caller can keep some elements and let the others
+//! stream (a pub/sub message is known by its first element, an EXEC reply's topology
+//! elements are its only ones rewritten).
 
-/// Aggregates nested deeper than this are refused (Valkey's replies nest a few levels).
-pub const MAX_DEPTH: usize = 64;
+/// Aggregates nested deeper than this are refused. Valkey's own replies nest a few levels,
+/// but a script's reply nests as deep as its Lua tables (bounded by Lua's stack, a few
+/// thousand); each level costs 16 bytes here.
+pub const MAX_DEPTH: usize = 8192;
 
 /// Why a byte stream is not RESP.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,12 +40,22 @@ pub enum RespError {
     TooDeep,
     #[error("RESP3 streamed aggregates are not supported")]
     Streamed,
-    #[error("frame larger than {0} bytes")]
+    /// A reply held to be rewritten (a topology reply) grew past the limit.
+    #[error("a reply to rewrite larger than {0} bytes")]
     FrameTooLarge(usize),
     /// Valkey's answer to such a line could not be foretold: the connection is closed
     /// rather than paired by guess.
     #[error("NUL byte in an inline command")]
     InlineNul,
+}
+
+impl RespError {
+    /// Whether the bytes may be valid RESP that merely goes past one of the proxy's limits
+    /// (as opposed to bytes that are not RESP at all): said so in logs and metrics, never
+    /// called "invalid".
+    pub fn is_limit(&self) -> bool {
+        matches!(self, RespError::TooDeep | RespError::FrameTooLarge(_))
+    }
 }
 
 /// The outcome of one [`Scanner::scan`] call.
@@ -49,14 +68,48 @@ pub enum Scan {
     Incomplete,
 }
 
+/// The outcome of one [`Scanner::scan_parts`] call: like [`Scan`], with two more stops
+/// inside a top-level aggregate (`*`, `>`, `~`, `%`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The aggregate's header ends at `end`; `count` elements follow (a map's count is
+    /// its keys plus its values).
+    Header {
+        end: usize,
+        count: u64,
+    },
+    /// One of its elements, not the last, ends at `end`.
+    Element {
+        end: usize,
+    },
+    /// The frame ends at `end` (for an aggregate: with its last element).
+    Complete {
+        end: usize,
+    },
+    Incomplete,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Expecting a type byte.
     Type,
-    /// Inside a line that started with `ty`.
-    Line { ty: u8 },
+    /// Inside a line that started with `ty`. `cr`: whether the last byte seen of it was CR
+    /// (the text of a simple line is not kept, only whether it ends in CRLF).
+    Line { ty: u8, cr: bool },
     /// Skipping a payload; `left` counts the trailing CRLF too.
     Payload { left: u64 },
+}
+
+/// What finishing a line or an element did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    More,
+    /// The top-level frame is complete.
+    Frame,
+    /// An element directly inside the top-level aggregate is complete (not its last).
+    Element,
+    /// The top-level aggregate's header is complete.
+    Header(u64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -72,7 +125,7 @@ struct Open {
 pub struct Scanner {
     state: State,
     stack: Vec<Open>,
-    /// The start of a line split across buffers.
+    /// The start of a header line split across buffers.
     line: Vec<u8>,
     max_line: usize,
     /// Whether some bytes of a top-level frame have been seen.
@@ -107,49 +160,77 @@ impl Scanner {
     /// Scans `buf[from..]`, continuing the frame in progress, and stops at the end of the
     /// first top-level frame that completes.
     pub fn scan(&mut self, buf: &[u8], from: usize) -> Result<Scan, RespError> {
+        Ok(match self.scan_checked(buf, from, false)? {
+            Part::Complete { end } => Scan::Complete { end },
+            // Not returned without `parts`.
+            Part::Incomplete | Part::Header { .. } | Part::Element { .. } => Scan::Incomplete,
+        })
+    }
+
+    /// As [`Scanner::scan`], and stops also at the end of a top-level aggregate's header
+    /// and of each of its elements.
+    pub fn scan_parts(&mut self, buf: &[u8], from: usize) -> Result<Part, RespError> {
+        self.scan_checked(buf, from, true)
+    }
+
+    fn scan_checked(&mut self, buf: &[u8], from: usize, parts: bool) -> Result<Part, RespError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
-        let r = self.scan_inner(buf, from);
+        let r = self.scan_inner(buf, from, parts);
         if let Err(e) = &r {
             self.failed = Some(e.clone());
         }
         r
     }
 
-    fn scan_inner(&mut self, buf: &[u8], from: usize) -> Result<Scan, RespError> {
+    fn scan_inner(&mut self, buf: &[u8], from: usize, parts: bool) -> Result<Part, RespError> {
         let mut i = from;
         while i < buf.len() {
-            match self.state {
+            let step = match self.state {
                 State::Type => {
                     let ty = buf[i];
                     i += 1;
                     self.in_frame = true;
-                    self.state = State::Line { ty };
+                    self.state = State::Line { ty, cr: false };
                     self.line.clear();
                     if !is_type(ty) {
                         return Err(RespError::Type(ty));
                     }
+                    Step::More
                 }
-                State::Line { ty } => {
-                    let Some(nl) = memchr::memchr(b'\n', &buf[i..]) else {
-                        self.push_line(&buf[i..])?;
-                        return Ok(Scan::Incomplete);
+                State::Line { ty, cr } => {
+                    let rest = &buf[i..];
+                    let Some(nl) = memchr::memchr(b'\n', rest) else {
+                        if is_simple(ty) {
+                            let cr = rest.last().map_or(cr, |&b| b == b'\r');
+                            self.state = State::Line { ty, cr };
+                        } else {
+                            self.push_line(rest)?;
+                        }
+                        return Ok(Part::Incomplete);
                     };
                     let end = i + nl;
-                    let done = if self.line.is_empty() {
-                        self.line_done(ty, &buf[i..end])?
+                    let step = if is_simple(ty) {
+                        // The byte before LF: in this buffer, or the last one of the line's
+                        // earlier part (`cr` stays false for a line with no bytes yet).
+                        let ends_cr = if nl > 0 { rest[nl - 1] == b'\r' } else { cr };
+                        if !ends_cr {
+                            return Err(RespError::BareLf);
+                        }
+                        self.state = State::Type;
+                        self.element_done()
+                    } else if self.line.is_empty() {
+                        self.header_done(ty, &rest[..nl])?
                     } else {
-                        self.push_line(&buf[i..end])?;
+                        self.push_line(&rest[..nl])?;
                         let line = std::mem::take(&mut self.line);
-                        let r = self.line_done(ty, &line);
+                        let r = self.header_done(ty, &line);
                         self.line = line;
                         r?
                     };
                     i = end + 1;
-                    if done {
-                        return Ok(Scan::Complete { end: i });
-                    }
+                    step
                 }
                 State::Payload { left } => {
                     let avail = (buf.len() - i) as u64;
@@ -157,19 +238,24 @@ impl Scanner {
                         // Check whichever terminator bytes are in this buffer.
                         check_terminator(&buf[i..], left)?;
                         self.state = State::Payload { left: left - avail };
-                        return Ok(Scan::Incomplete);
+                        return Ok(Part::Incomplete);
                     }
                     let end = i + left as usize;
                     check_terminator(&buf[i..end], left)?;
                     i = end;
                     self.state = State::Type;
-                    if self.element_done() {
-                        return Ok(Scan::Complete { end: i });
-                    }
+                    self.element_done()
                 }
+            };
+            match step {
+                Step::More => {}
+                Step::Frame => return Ok(Part::Complete { end: i }),
+                Step::Element if parts => return Ok(Part::Element { end: i }),
+                Step::Header(count) if parts => return Ok(Part::Header { end: i, count }),
+                Step::Element | Step::Header(_) => {}
             }
         }
-        Ok(Scan::Incomplete)
+        Ok(Part::Incomplete)
     }
 
     fn push_line(&mut self, part: &[u8]) -> Result<(), RespError> {
@@ -180,8 +266,8 @@ impl Scanner {
         Ok(())
     }
 
-    /// A line (without its LF) is complete. Returns whether a top-level frame ended.
-    fn line_done(&mut self, ty: u8, line: &[u8]) -> Result<bool, RespError> {
+    /// A header line (a length or a count, without its LF) is complete.
+    fn header_done(&mut self, ty: u8, line: &[u8]) -> Result<Step, RespError> {
         let Some((&b'\r', body)) = line.split_last() else {
             return Err(RespError::BareLf);
         };
@@ -190,12 +276,11 @@ impl Scanner {
         }
         self.state = State::Type;
         match ty {
-            b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(' => Ok(self.element_done()),
             b'$' | b'!' | b'=' => match parse_len(body)? {
                 None => Ok(self.element_done()),
                 Some(n) => {
                     self.state = State::Payload { left: n + 2 };
-                    Ok(false)
+                    Ok(Step::More)
                 }
             },
             b'*' | b'~' | b'>' | b'%' | b'|' => {
@@ -214,6 +299,7 @@ impl Scanner {
                 if self.stack.len() >= MAX_DEPTH {
                     return Err(RespError::TooDeep);
                 }
+                let top_level = self.stack.is_empty();
                 self.stack.push(Open {
                     left: n,
                     attribute: ty == b'|',
@@ -221,30 +307,39 @@ impl Scanner {
                 if n == 0 {
                     // An empty attribute: the annotated element follows.
                     self.stack.pop();
+                    return Ok(Step::More);
                 }
-                Ok(false)
+                Ok(if top_level && ty != b'|' {
+                    Step::Header(n)
+                } else {
+                    Step::More
+                })
             }
             _ => Err(RespError::Type(ty)),
         }
     }
 
-    /// One element finished: pops finished aggregates. Returns whether the top-level frame
-    /// is complete.
-    fn element_done(&mut self) -> bool {
+    /// One element finished: pops finished aggregates.
+    fn element_done(&mut self) -> Step {
         loop {
+            let depth = self.stack.len();
             let Some(top) = self.stack.last_mut() else {
                 self.in_frame = false;
-                return true;
+                return Step::Frame;
             };
             top.left -= 1;
             if top.left > 0 {
-                return false;
+                return if depth == 1 && !top.attribute {
+                    Step::Element
+                } else {
+                    Step::More
+                };
             }
             let attribute = top.attribute;
             self.stack.pop();
             if attribute {
                 // The attribute is done; the element it annotates is still to come.
-                return false;
+                return Step::More;
             }
         }
     }
@@ -266,6 +361,11 @@ pub(crate) fn check_terminator(bytes: &[u8], left: u64) -> Result<(), RespError>
         }
     }
     Ok(())
+}
+
+/// A line whose text the scanner does not need: it is skipped, not kept.
+fn is_simple(ty: u8) -> bool {
+    matches!(ty, b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(')
 }
 
 fn is_type(b: u8) -> bool {
@@ -382,16 +482,135 @@ mod tests {
         let mut deep = b"*1\r\n".repeat(MAX_DEPTH + 1);
         deep.extend_from_slice(b":1\r\n");
         assert_eq!(ends(&deep), Err(RespError::TooDeep));
-        let long = [b"+".as_slice(), &vec![b'a'; 70_000], b"\r\n"].concat();
+        // A header is a few digits: one longer than the limit is not RESP.
+        let long = [b"*".as_slice(), &vec![b'1'; 70_000], b"\r\n"].concat();
         assert_eq!(ends(&long), Err(RespError::LineTooLong(64 * 1024)));
         // Split over reads, the limit holds too.
         assert!(ends_split(&long, &[10, 40_000]).is_err());
+        // A simple line must end in CRLF, also when the CR came in an earlier read.
+        assert_eq!(ends_split(b"+ab\n", &[3]), Err(RespError::BareLf));
+        assert_eq!(ends_split(b"+\n", &[1]), Err(RespError::BareLf));
+        assert_eq!(ends_split(b"+a\rb\n", &[3]), Err(RespError::BareLf));
+    }
+
+    #[test]
+    fn simple_lines_pass_at_any_length_and_scripts_nest_deep() {
+        // What a script's `redis.error_reply` / `status_reply` can send, and a reply nested
+        // as deep as a script's tables: valid, and not rewritten, so they must pass.
+        for ty in [b'-', b'+'] {
+            let line = [&[ty][..], &vec![b'x'; 70_000], b"\r\n"].concat();
+            assert_eq!(ends(&line).unwrap(), [line.len()]);
+            assert_eq!(
+                ends_split(&line, &[1, 2, 40_000, 70_001]).unwrap(),
+                [line.len()]
+            );
+        }
+        let mut deep = b"*1\r\n".repeat(71);
+        deep.extend_from_slice(b":1\r\n");
+        assert_eq!(ends(&deep).unwrap(), [deep.len()]);
+        let mut deepest = b"*2\r\n".repeat(MAX_DEPTH);
+        deepest.extend_from_slice(&b":1\r\n".repeat(MAX_DEPTH + 1));
+        assert_eq!(ends(&deepest).unwrap(), [deepest.len()]);
+    }
+
+    /// Every stop of `scan_parts` over `input` in the given pieces, as offsets into `input`.
+    fn parts_split(input: &[u8], cuts: &[usize]) -> Vec<Part> {
+        let mut s = Scanner::default();
+        let mut out = vec![];
+        let mut start = 0;
+        let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+        bounds.push(input.len());
+        bounds.sort_unstable();
+        for b in bounds {
+            let piece = &input[start..b];
+            let mut i = 0;
+            while i < piece.len() {
+                let (part, end) = match s.scan_parts(piece, i).unwrap() {
+                    Part::Incomplete => break,
+                    Part::Header { end, count } => (
+                        Part::Header {
+                            end: start + end,
+                            count,
+                        },
+                        end,
+                    ),
+                    Part::Element { end } => (Part::Element { end: start + end }, end),
+                    Part::Complete { end } => (Part::Complete { end: start + end }, end),
+                };
+                out.push(part);
+                i = end;
+            }
+            start = b;
+        }
+        out
+    }
+
+    #[test]
+    fn parts_stop_after_the_header_and_each_top_level_element() {
+        let message =
+            b"*3\r\n$7\r\nmessage\r\n*2\r\n:1\r\n|1\r\n+a\r\n+b\r\n:2\r\n$3\r\nabc\r\n+OK\r\n";
+        let want = vec![
+            Part::Header { end: 4, count: 3 },
+            Part::Element { end: 17 },
+            Part::Element { end: 41 },
+            Part::Complete { end: 50 },
+            Part::Complete { end: 55 },
+        ];
+        assert_eq!(parts_split(message, &[]), want);
+        for cut in 0..message.len() {
+            assert_eq!(parts_split(message, &[cut, cut / 2]), want, "cut at {cut}");
+        }
+        // An aggregate with one element, or none, and a null.
+        assert_eq!(
+            parts_split(b"*1\r\n:1\r\n*0\r\n*-1\r\n", &[]),
+            [
+                Part::Header { end: 4, count: 1 },
+                Part::Complete { end: 8 },
+                Part::Complete { end: 12 },
+                Part::Complete { end: 17 }
+            ]
+        );
     }
 
     proptest! {
         #[test]
         fn any_split_gives_the_same_frames(cuts in proptest::collection::vec(0usize..1000, 0..12)) {
             prop_assert_eq!(ends_split(SAMPLE, &cuts).unwrap(), ends(SAMPLE).unwrap());
+        }
+
+        #[test]
+        fn parts_end_frames_where_scan_does(bytes in proptest::collection::vec(any::<u8>(), 0..256), cuts in proptest::collection::vec(0usize..300, 0..4)) {
+            let mut input = bytes;
+            // Mostly valid frames, so that the stops inside aggregates are reached.
+            input.splice(0..0, SAMPLE.iter().copied());
+            let whole = ends(&input);
+            let mut s = Scanner::default();
+            let mut got = vec![];
+            let mut start = 0;
+            let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+            bounds.push(input.len());
+            bounds.sort_unstable();
+            let mut failed = false;
+            'reads: for b in bounds {
+                let piece = &input[start..b];
+                let mut i = 0;
+                while i < piece.len() {
+                    match s.scan_parts(piece, i) {
+                        Ok(Part::Incomplete) => break,
+                        Ok(Part::Complete { end }) => { got.push(start + end); i = end; }
+                        Ok(Part::Header { end, .. } | Part::Element { end }) => {
+                            prop_assert!(end > i);
+                            i = end;
+                        }
+                        Err(_) => { failed = true; break 'reads; }
+                    }
+                }
+                start = b;
+            }
+            prop_assert_eq!(failed, whole.is_err());
+            if let Ok(w) = whole {
+                prop_assert_eq!(got, w);
+            }
         }
 
         #[test]

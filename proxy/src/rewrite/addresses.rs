@@ -6,10 +6,18 @@
 //!   each on its own listener port;
 //! - the TLS port ([`AddressMap::sni`]): every node at its own SNI name
 //!   (`<prefix>-<s>-<n>.<domain>`), all on the one TLS port.
+//!
+//! [`UnknownAddresses`] is what happens to an address no route knows: a warning, at most one
+//! per address per [`UnknownAddresses::EVERY`] with the count of those not logged, and a
+//! refresh asked of a source that can look again.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use shardgate_crds::{node_hostname, Hostnames};
 
@@ -239,5 +247,112 @@ mod tests {
             ("vc-1-1.example.test", false, 6380)
         );
         assert!(sni.is_tls());
+    }
+}
+
+/// Addresses in replies that no route knows: logged at most once per address per
+/// [`EVERY`](Self::EVERY) (a client looping on a stale redirect would flood the log
+/// otherwise), and a refresh asked of the route source, when it can refresh.
+#[derive(Debug)]
+pub struct UnknownAddresses {
+    /// Wakes the route source; `None` for a source that does not refresh on request (a
+    /// route file), so that the log does not claim a refresh.
+    refresh: Option<Arc<Notify>>,
+    /// Address → when it was last logged, and how many times it was met since.
+    logged: Mutex<HashMap<String, (Instant, u64)>>,
+}
+
+impl UnknownAddresses {
+    /// One warning per address per this long.
+    pub const EVERY: Duration = Duration::from_secs(60);
+    /// Addresses remembered at most; past it the oldest are forgotten (and may be logged
+    /// again early), so that a reply naming many bogus addresses cannot grow the map.
+    const REMEMBERED: usize = 1024;
+
+    pub fn new(refresh: Option<Arc<Notify>>) -> Self {
+        UnknownAddresses {
+            refresh,
+            logged: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Asks the source to look again, if it can (a redirect was mapped by slot, say).
+    pub fn refresh(&self) {
+        if let Some(r) = &self.refresh {
+            r.notify_one();
+        }
+    }
+
+    /// Logs `unknown` (rate-limited) and asks for a refresh. Returns the addresses logged
+    /// now, with the number of times each was met and not logged before.
+    pub fn report(&self, unknown: &[String]) -> Vec<(String, u64)> {
+        self.refresh();
+        self.log_at(unknown, Instant::now())
+    }
+
+    fn log_at(&self, unknown: &[String], now: Instant) -> Vec<(String, u64)> {
+        let mut due = vec![];
+        {
+            let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
+            if logged.len() > Self::REMEMBERED {
+                logged.retain(|_, (at, _)| now.duration_since(*at) < Self::EVERY);
+            }
+            for addr in unknown {
+                match logged.get_mut(addr) {
+                    Some((at, suppressed)) if now.duration_since(*at) < Self::EVERY => {
+                        *suppressed += 1;
+                    }
+                    Some((at, suppressed)) => {
+                        due.push((addr.clone(), *suppressed));
+                        *at = now;
+                        *suppressed = 0;
+                    }
+                    None => {
+                        due.push((addr.clone(), 0));
+                        logged.insert(addr.clone(), (now, 0));
+                    }
+                }
+            }
+        }
+        for (addr, suppressed) in &due {
+            if self.refresh.is_some() {
+                tracing::warn!(address = %addr, suppressed, "a reply names an address no route knows; forwarded unchanged, refresh requested");
+            } else {
+                tracing::warn!(address = %addr, suppressed, "a reply names an address no route knows; forwarded unchanged");
+            }
+        }
+        due
+    }
+}
+
+#[cfg(test)]
+mod unknown_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_line_per_address_per_minute_with_a_count_of_the_rest() {
+        let refresh = Arc::new(Notify::new());
+        let log = UnknownAddresses::new(Some(refresh.clone()));
+        let a = "10.0.0.9:6379".to_string();
+        let b = "10.0.0.8:6379".to_string();
+        assert_eq!(log.report(std::slice::from_ref(&a)), [(a.clone(), 0)]);
+        // A refresh was asked for.
+        tokio::time::timeout(Duration::from_millis(1), refresh.notified())
+            .await
+            .unwrap();
+        for _ in 0..5 {
+            assert_eq!(log.report(std::slice::from_ref(&a)), []);
+        }
+        // Another address is its own.
+        assert_eq!(log.report(&[a.clone(), b.clone()]), [(b.clone(), 0)]);
+        let later = Instant::now() + UnknownAddresses::EVERY;
+        assert_eq!(
+            log.log_at(std::slice::from_ref(&a), later),
+            [(a.clone(), 6)]
+        );
+        // A route file's proxy asks no refresh, and its log says so.
+        let quiet = UnknownAddresses::new(None);
+        quiet.refresh();
+        assert_eq!(quiet.report(std::slice::from_ref(&b)), [(b.clone(), 0)]);
     }
 }

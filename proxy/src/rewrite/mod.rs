@@ -123,7 +123,7 @@ fn shape(expect: &Expect, frame: &Frame<'_>) -> Result<(), &'static str> {
         Expect::Info => replication::is_info(frame),
         Expect::Exec(kinds) => {
             return match frame {
-                Frame::Array(b'*', items) if items.len() == kinds.len() => Ok(()),
+                Frame::Array(b'*', items) if items.len() as u64 == exec_len(kinds) => Ok(()),
                 // A transaction that a WATCH aborted: nothing to rewrite.
                 Frame::Null(_) => Ok(()),
                 _ => Err("exec_length"),
@@ -142,6 +142,18 @@ fn shape(expect: &Expect, frame: &Frame<'_>) -> Result<(), &'static str> {
         Expect::Role => "not_role",
         _ => "not_info",
     })
+}
+
+/// The number of replies in an EXEC's reply.
+pub(crate) fn exec_len(kinds: &[(Expect, u64)]) -> u64 {
+    kinds.iter().map(|(_, n)| n).sum()
+}
+
+/// What each reply in an EXEC's reply answers, in order.
+fn exec_kinds(kinds: &[(Expect, u64)]) -> impl Iterator<Item = &Expect> {
+    kinds
+        .iter()
+        .flat_map(|(e, n)| std::iter::repeat_n(e, usize::try_from(*n).unwrap_or(usize::MAX)))
 }
 
 fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, report: &mut Report) {
@@ -168,12 +180,18 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
         Expect::Info => replication::info(map, frame, report),
         Expect::Exec(kinds) => {
             if let Frame::Array(_, items) = frame {
-                for (item, kind) in items.iter_mut().zip(kinds) {
+                for (item, kind) in items.iter_mut().zip(exec_kinds(kinds)) {
                     rewrite_in_place(map, kind, item, report);
                 }
             }
         }
-        Expect::Other | Expect::PubSub { .. } | Expect::Monitor | Expect::Reset | Expect::Hello => {
-        }
+        Expect::Other
+        | Expect::PubSub { .. }
+        | Expect::Monitor
+        | Expect::Reset
+        | Expect::SkippedReset
+        | Expect::ExecProtocol(_)
+        | Expect::Lost(_)
+        | Expect::Hello => {}
     }
 }

@@ -3,7 +3,17 @@
 //! [`RequestSide`] watches the client's commands and records what each reply will be;
 //! [`ReplySide`] walks the server's replies frame by frame. A reply that cannot carry an
 //! address streams through untouched (its bytes are forwarded as they arrive, as ranges of
-//! the read buffer); a topology reply or an error is captured whole, rewritten, and sent on.
+//! the read buffer); a topology reply is captured whole, rewritten, and sent on.
+//!
+//! What is held is bounded whatever the traffic, so that a reply is held only as far as
+//! its rewriting needs:
+//! - an error or simple string, up to [`LINE_CAPTURE`] bytes (a redirect fits; a longer
+//!   line streams);
+//! - a pub/sub-looking aggregate, its header and first element (the frame's kind), then
+//!   for a confirmation its third (the count): a message of any size streams;
+//! - an EXEC reply, only its elements that answer topology commands;
+//! - a reply to a topology command, whole, up to [`Limits::max_frame`] (past it the
+//!   connection closes: streaming it would leak internal addresses).
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -12,14 +22,16 @@ use tokio::sync::Notify;
 
 use super::{rewrite_to_bytes, AddressMap, Report};
 use crate::resp::frame::parse;
-use crate::resp::pairing::{Answer, Pairing};
+use crate::resp::pairing::{Answer, Expect, Lost, Pairing, PubSubKind};
 use crate::resp::request::RequestScanner;
-use crate::resp::{RespError, Scan, Scanner};
+use crate::resp::{Part, RespError, Scan, Scanner};
 
 /// Limits of one rewriting connection.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// A captured reply (a topology reply) larger than this closes the connection.
+    /// A reply paired with a topology command larger than this closes the connection (it
+    /// cannot be rewritten, and must not leak internal addresses). Other replies pass at
+    /// any size.
     pub max_frame: usize,
     /// A header or simple line longer than this closes the connection.
     pub max_line: usize,
@@ -46,6 +58,10 @@ pub struct Shared {
 /// before it stops reading from the client: bounds the memory of a client that pipelines
 /// without reading. A million pipelined GETs are one entry.
 pub const MAX_PENDING: usize = 64 * 1024;
+
+// A transaction's runs count in the entries too, but only its EXEC removes them: they must
+// stay below the level at which a waiting request side is woken, or it would wait forever.
+const _: () = assert!(crate::resp::pairing::MAX_TRANSACTION_RUNS < MAX_PENDING / 2);
 
 impl Shared {
     pub fn new(rewrite_info: bool) -> Self {
@@ -89,7 +105,13 @@ impl RequestSide {
     /// Notes the commands in `buf` (which is then forwarded unchanged).
     pub fn observe(&mut self, buf: &[u8], shared: &Shared) -> Result<(), RespError> {
         let mut pairing = shared.pairing();
-        self.scanner.feed(buf, |cmd| pairing.on_request(cmd))
+        let fed = self.scanner.feed(buf, |cmd| pairing.on_request(cmd));
+        if let Err(e) = &fed {
+            if crate::resp::request::valkey_rejects(e) {
+                pairing.input_rejected();
+            }
+        }
+        fed
     }
 }
 
@@ -100,13 +122,75 @@ pub enum Segment {
     Owned(Vec<u8>),
 }
 
+/// Bytes of a simple line (an error, a status) captured to see whether it is rewritten: a
+/// redirect (`-MOVED <slot> <host>:<port>`, whose host name is at most 255 bytes) or
+/// RESET's `+RESET`. A longer line is neither, and streams (a script can return one of any
+/// length).
+const LINE_CAPTURE: usize = 1024;
+
+/// Bytes of a pub/sub-looking frame held to classify it: its header and first element (a
+/// name such as `punsubscribe`), or its third (a subscription count). A longer first
+/// element names no pub/sub frame.
+const HEAD_CAPTURE: usize = 96;
+
+/// How the frame in progress is handled.
+enum Mode {
+    /// Its bytes go out as they come.
+    Stream,
+    /// Captured whole and rewritten if it has its command's shape (errors and simple
+    /// strings stream from the point where they outgrow [`LINE_CAPTURE`]).
+    Whole,
+    /// An aggregate that may be a pub/sub frame: held until its first element says what it
+    /// is. A pub/sub frame then streams (a message of any size costs no memory), its third
+    /// element kept if it is a confirmation's count; any other frame is held whole if it
+    /// may be a topology reply, as any reply is, else streams.
+    PubSub {
+        /// The first element, once known to name a pub/sub frame.
+        first: Option<Vec<u8>>,
+        third: Option<Vec<u8>>,
+        /// Where the first element starts in the held bytes.
+        head: usize,
+    },
+    /// An EXEC reply with topology replies in it: only those elements are captured (and
+    /// rewritten); the others, a 100 MB GET say, stream.
+    Exec {
+        kinds: Vec<(Expect, u64)>,
+        /// The next element's run in `kinds`, and how many of that run have passed.
+        run: usize,
+        used: u64,
+        /// Whether the reply has one element per queued command.
+        fits: bool,
+        /// What the element in progress answers.
+        current: Expect,
+        /// Whether an element was rewritten (counted once, as `exec`).
+        rewritten: bool,
+    },
+}
+
+/// The piece of the frame being captured (the whole frame, its head, or one element).
+struct Capture {
+    /// Its bytes from earlier reads; empty while it all is in the current read.
+    buf: Vec<u8>,
+    /// Past this many bytes it is not captured any further.
+    cap: usize,
+    /// Whether a piece past `cap` is an error (a topology reply), rather than one that
+    /// cannot be what is looked for and streams on.
+    required: bool,
+}
+
 /// Server → client.
 pub struct ReplySide {
     scanner: Scanner,
     limits: Limits,
-    /// The current frame's bytes, while it is captured.
-    capture: Option<Vec<u8>>,
     ty: u8,
+    mode: Mode,
+    capture: Option<Capture>,
+    /// Index of the element in progress in a split frame (`PubSub`, `Exec`).
+    element: u64,
+    /// Whether the frame in progress was placed in the pairing when its capture ended.
+    placed: bool,
+    /// The pairing was lost: the error line went out, and nothing more does.
+    lost: Option<Lost>,
 }
 
 impl ReplySide {
@@ -114,9 +198,30 @@ impl ReplySide {
         ReplySide {
             scanner: Scanner::new(limits.max_line),
             limits,
-            capture: None,
             ty: 0,
+            mode: Mode::Stream,
+            capture: None,
+            element: 0,
+            placed: false,
+            lost: None,
         }
+    }
+
+    /// Set once the pairing was lost: the connection is to be closed after the bytes of the
+    /// last `process` call (which end with an error line to the client).
+    pub fn lost(&self) -> Option<Lost> {
+        self.lost
+    }
+
+    /// Ends the output at a frame boundary with an error line, because the replies from
+    /// here on cannot be paired (and so neither rewritten nor known to need no rewrite).
+    fn give_up(&mut self, lost: Lost, out: &mut Vec<Segment>) {
+        let line = format!(
+            "-ERR shardgate-proxy lost track of which reply answers which command ({}); closing the connection\r\n",
+            lost.describe()
+        );
+        out.push(Segment::Owned(line.into_bytes()));
+        self.lost = Some(lost);
     }
 
     /// Processes `input`, appending what to send to `out`, and accounting in `report`.
@@ -129,76 +234,378 @@ impl ReplySide {
         report: &mut Report,
     ) -> Result<(), RespError> {
         let mut pairing = shared.pairing();
-        // Start of the input range not yet emitted.
+        // Start of the input not yet emitted; while a piece is captured, where its bytes in
+        // this input start.
         let mut pending = 0;
         let mut i = 0;
+        if self.lost.is_some() {
+            return Ok(());
+        }
         while i < input.len() {
             if !self.scanner.in_frame() {
-                self.ty = input[i];
-                if pairing.capture(self.ty) {
+                if let Some(lost) = pairing.lost() {
+                    emit(out, pending..i);
+                    self.give_up(lost, out);
+                    return Ok(());
+                }
+                self.start_frame(input[i], &pairing);
+                if self.capture.is_some() {
                     emit(out, pending..i);
                     pending = i;
-                    self.capture = Some(Vec::new());
                 }
             }
-            let start = i;
-            match self.scanner.scan(input, i)? {
-                Scan::Complete { end } => {
-                    i = end;
-                    match self.capture.take() {
-                        None => {
-                            pairing.on_reply(self.ty, None);
-                        }
-                        Some(mut buf) => {
-                            let whole: &[u8] = if buf.is_empty() {
-                                // The limit holds for a frame that arrived in one read too.
-                                if end - start > self.limits.max_frame {
-                                    return Err(RespError::FrameTooLarge(self.limits.max_frame));
-                                }
-                                &input[start..end]
-                            } else {
-                                self.grow(&mut buf, &input[start..end])?;
-                                &buf
-                            };
-                            let (frame, _) = parse(whole)?;
-                            let answer = pairing.on_reply(self.ty, Some(&frame));
-                            let expect = match answer {
-                                Answer::InBand(e) => e,
-                                Answer::OutOfBand => crate::resp::pairing::Expect::Other,
-                            };
-                            match rewrite_to_bytes(map, &expect, frame, whole.len(), report) {
-                                Some(new) => out.push(Segment::Owned(new)),
-                                None if buf.is_empty() => emit(out, start..end),
-                                None => out.push(Segment::Owned(buf)),
+            let part = if matches!(self.mode, Mode::PubSub { .. } | Mode::Exec { .. }) {
+                self.scanner.scan_parts(input, i)?
+            } else {
+                match self.scanner.scan(input, i)? {
+                    Scan::Complete { end } => Part::Complete { end },
+                    Scan::Incomplete => Part::Incomplete,
+                }
+            };
+            let end = match part {
+                Part::Incomplete => input.len(),
+                Part::Header { end, .. } | Part::Element { end } | Part::Complete { end } => end,
+            };
+            i = end;
+            let held_past_cap = self
+                .capture
+                .as_ref()
+                .is_some_and(|c| c.buf.len() + (end - pending) > c.cap);
+            if held_past_cap {
+                self.past_cap(&pairing, out)?;
+            }
+            if let (Some(c), Part::Incomplete) = (&mut self.capture, part) {
+                c.buf.extend_from_slice(&input[pending..end]);
+                pending = end;
+            }
+            match part {
+                Part::Incomplete => continue,
+                Part::Header { count, .. } => {
+                    self.element = 0;
+                    match &mut self.mode {
+                        Mode::Exec { kinds, fits, .. } => {
+                            *fits = count == super::exec_len(kinds);
+                            if !*fits {
+                                report.skipped.push("exec_length");
                             }
-                            pending = end;
                         }
+                        Mode::PubSub { head, .. } => {
+                            if let Some(c) = &self.capture {
+                                *head = c.buf.len() + (end - pending);
+                            }
+                            // The head capture goes on over the first element.
+                            continue;
+                        }
+                        Mode::Stream | Mode::Whole => {}
                     }
                 }
-                Scan::Incomplete => {
-                    i = input.len();
-                    if let Some(mut buf) = self.capture.take() {
-                        self.grow(&mut buf, &input[start..])?;
-                        self.capture = Some(buf);
-                        pending = i;
+                // A frame held whole from its head on (`past_cap`): it ends at its end.
+                Part::Element { .. } if matches!(self.mode, Mode::Whole) => continue,
+                Part::Element { .. } | Part::Complete { .. } => {
+                    let complete = matches!(part, Part::Complete { .. });
+                    if let Some(c) = self.capture.take() {
+                        let piece = Piece {
+                            input,
+                            range: pending..end,
+                            buf: c.buf,
+                            complete,
+                        };
+                        self.captured(piece, &mut pairing, map, out, report);
+                        pending = end;
                     }
+                    if complete {
+                        self.frame_done(&mut pairing, report);
+                        continue;
+                    }
+                    self.element += 1;
                 }
+            }
+            // The next element starts.
+            if self.start_element() {
+                emit(out, pending..i);
+                pending = i;
             }
         }
-        emit(out, pending..input.len());
+        match &mut self.capture {
+            // Held on into the next read (a head that ended with this one).
+            Some(c) => c.buf.extend_from_slice(&input[pending..]),
+            None => emit(out, pending..input.len()),
+        }
+        if !self.scanner.in_frame() {
+            if let Some(lost) = pairing.lost() {
+                self.give_up(lost, out);
+            }
+        }
         if pairing.entries() < MAX_PENDING / 2 {
             shared.room.notify_waiters();
         }
         Ok(())
     }
 
-    fn grow(&self, buf: &mut Vec<u8>, more: &[u8]) -> Result<(), RespError> {
-        if buf.len() + more.len() > self.limits.max_frame {
-            return Err(RespError::FrameTooLarge(self.limits.max_frame));
+    /// A frame starts with type byte `ty`: decides how it is handled.
+    fn start_frame(&mut self, ty: u8, pairing: &Pairing) {
+        self.ty = ty;
+        self.element = 0;
+        self.placed = false;
+        let (mode, capture) = if pairing.classify_by_head(ty) {
+            let mode = Mode::PubSub {
+                first: None,
+                third: None,
+                head: 0,
+            };
+            (mode, Some((HEAD_CAPTURE, false)))
+        } else if !pairing.capture(ty) {
+            (Mode::Stream, None)
+        } else if let (b'*', Some(Expect::Exec(kinds))) = (ty, pairing.next_in_band()) {
+            let mode = Mode::Exec {
+                kinds: kinds.clone(),
+                run: 0,
+                used: 0,
+                fits: false,
+                current: Expect::Other,
+                rewritten: false,
+            };
+            (mode, None)
+        } else if matches!(ty, b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(') {
+            (Mode::Whole, Some((LINE_CAPTURE, false)))
+        } else {
+            (Mode::Whole, Some((self.limits.max_frame, true)))
+        };
+        self.mode = mode;
+        self.capture = capture.map(|(cap, required)| Capture {
+            buf: Vec::new(),
+            cap,
+            required,
+        });
+    }
+
+    /// Whether a frame that is not a pub/sub frame after all must be held whole: an array
+    /// when a topology reply is due (as any array then is).
+    fn held_whole(&self, pairing: &Pairing) -> bool {
+        self.ty == b'*' && pairing.next_in_band().is_some_and(Expect::is_topology)
+    }
+
+    /// The piece being captured outgrew its cap.
+    fn past_cap(&mut self, pairing: &Pairing, out: &mut Vec<Segment>) -> Result<(), RespError> {
+        let head = matches!(self.mode, Mode::PubSub { .. }) && self.element == 0;
+        let whole = head && self.held_whole(pairing);
+        let Some(c) = &mut self.capture else {
+            return Ok(());
+        };
+        if c.required {
+            return Err(RespError::FrameTooLarge(c.cap));
         }
-        buf.extend_from_slice(more);
+        if whole {
+            // Its first element is too long to name a pub/sub frame: a reply, held whole.
+            self.mode = Mode::Whole;
+            c.cap = self.limits.max_frame;
+            c.required = true;
+            return Ok(());
+        }
+        // Not what is looked for: what was held goes out, the rest streams.
+        if !c.buf.is_empty() {
+            out.push(Segment::Owned(std::mem::take(&mut c.buf)));
+        }
+        self.capture = None;
+        if matches!(self.mode, Mode::Whole) {
+            self.mode = Mode::Stream;
+        }
         Ok(())
     }
+
+    /// The next element of a split frame starts (`self.element`): captures it if it is
+    /// needed. Returns whether it is captured.
+    fn start_element(&mut self) -> bool {
+        let (cap, required) = match &mut self.mode {
+            Mode::PubSub { first, .. } => {
+                if self.element != 2 || !first.as_deref().is_some_and(PubSubKind::wants_third) {
+                    return false;
+                }
+                (HEAD_CAPTURE, false)
+            }
+            Mode::Exec {
+                kinds,
+                run,
+                used,
+                fits,
+                current,
+                ..
+            } => {
+                // The next queued command's reply kind.
+                while kinds.get(*run).is_some_and(|(_, n)| *used >= *n) {
+                    *run += 1;
+                    *used = 0;
+                }
+                *used += 1;
+                *current = kinds
+                    .get(*run)
+                    .map_or(Expect::Other, |(kind, _)| kind.clone());
+                if !*fits || !current.is_topology() {
+                    return false;
+                }
+                (self.limits.max_frame, true)
+            }
+            Mode::Stream | Mode::Whole => return false,
+        };
+        self.capture = Some(Capture {
+            buf: Vec::new(),
+            cap,
+            required,
+        });
+        true
+    }
+
+    /// A captured piece is complete: handles it and emits it, rewritten or as it came.
+    fn captured(
+        &mut self,
+        piece: Piece<'_>,
+        pairing: &mut Pairing,
+        map: &AddressMap,
+        out: &mut Vec<Segment>,
+        report: &mut Report,
+    ) {
+        let held_whole = self.held_whole(pairing);
+        let Piece {
+            input,
+            range,
+            mut buf,
+            complete,
+        } = piece;
+        // A piece that came in one read is not copied.
+        let owned = !buf.is_empty();
+        if owned {
+            buf.extend_from_slice(&input[range.clone()]);
+        }
+        let bytes: &[u8] = if owned { &buf } else { &input[range.clone()] };
+        let new = match &mut self.mode {
+            Mode::PubSub { .. } if complete && self.element == 0 => {
+                // All of it held (a frame of one element, or none): placed as a whole.
+                self.whole(bytes, pairing, map, report)
+            }
+            Mode::PubSub { first, head, .. } if self.element == 0 => {
+                let name = bytes
+                    .get(*head..)
+                    .and_then(|b| parse(b).ok())
+                    .and_then(|(f, _)| f.as_bytes().map(<[u8]>::to_vec))
+                    .filter(|name| PubSubKind::of(name, None).is_some());
+                if name.is_none() && held_whole {
+                    // A reply after all, and maybe the topology one: held whole.
+                    if !owned {
+                        buf = bytes.to_vec();
+                    }
+                    self.mode = Mode::Whole;
+                    self.capture = Some(Capture {
+                        buf,
+                        cap: self.limits.max_frame,
+                        required: true,
+                    });
+                    return;
+                }
+                *first = name;
+                None
+            }
+            Mode::PubSub { third, .. } => {
+                *third = Some(bytes.to_vec());
+                None
+            }
+            Mode::Exec {
+                current, rewritten, ..
+            } => match parse(bytes) {
+                Ok((frame, _)) => {
+                    let kinds = report.kinds.len();
+                    let new = rewrite_to_bytes(map, current, frame, bytes.len(), report);
+                    // The transaction is the reply counted, as when it was captured whole.
+                    report.kinds.truncate(kinds);
+                    *rewritten |= new.is_some();
+                    new
+                }
+                Err(_) => {
+                    report.skipped.push("too_deep");
+                    None
+                }
+            },
+            Mode::Whole => self.whole(bytes, pairing, map, report),
+            Mode::Stream => None,
+        };
+        match new {
+            Some(new) => out.push(Segment::Owned(new)),
+            None if owned => out.push(Segment::Owned(buf)),
+            None => emit(out, range),
+        }
+    }
+
+    /// A frame held whole: placed now, as only the parsed frame says what it is (RESET's
+    /// reply is known by its text, a confirmation by its elements), and rewritten if it
+    /// answers a topology command in its exact shape.
+    fn whole(
+        &mut self,
+        bytes: &[u8],
+        pairing: &mut Pairing,
+        map: &AddressMap,
+        report: &mut Report,
+    ) -> Option<Vec<u8>> {
+        self.placed = true;
+        match parse(bytes) {
+            Ok((frame, _)) => {
+                let expect = match pairing.on_reply(self.ty, Some(&frame)) {
+                    Answer::InBand(e) => e,
+                    Answer::OutOfBand => Expect::Other,
+                };
+                rewrite_to_bytes(map, &expect, frame, bytes.len(), report)
+            }
+            Err(_) => {
+                // Deeper than the parser goes: no topology reply is.
+                pairing.on_reply(self.ty, None);
+                report.skipped.push("too_deep");
+                None
+            }
+        }
+    }
+
+    /// The frame is complete: places it, unless that was done with its capture.
+    fn frame_done(&mut self, pairing: &mut Pairing, report: &mut Report) {
+        let mode = std::mem::replace(&mut self.mode, Mode::Stream);
+        if std::mem::take(&mut self.placed) {
+            return;
+        }
+        match mode {
+            Mode::Exec { rewritten, .. } => {
+                if rewritten {
+                    report.kinds.push(Expect::Exec(Vec::new()).label());
+                }
+                pairing.on_reply(self.ty, None);
+            }
+            Mode::PubSub { first, third, .. } => {
+                let third = third.as_deref().and_then(|b| parse(b).ok()).map(|(f, _)| f);
+                let kind = first.and_then(|name| PubSubKind::of(&name, third.as_ref()));
+                pairing.on_classified_reply(self.ty, kind);
+            }
+            Mode::Stream | Mode::Whole => {
+                pairing.on_reply(self.ty, None);
+            }
+        }
+    }
+
+    /// Bytes held for the frame in progress (what a reply costs beyond the read buffer).
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.capture.as_ref().map_or(0, |c| c.buf.len())
+            + match &self.mode {
+                Mode::PubSub { first, third, .. } => {
+                    first.as_ref().map_or(0, Vec::len) + third.as_ref().map_or(0, Vec::len)
+                }
+                _ => 0,
+            }
+    }
+}
+
+/// A captured piece that is complete: its bytes from earlier reads (`buf`) and its last
+/// bytes, `input[range]`; `complete` if the frame ends with it.
+struct Piece<'a> {
+    input: &'a [u8],
+    range: Range<usize>,
+    buf: Vec<u8>,
+    complete: bool,
 }
 
 /// Appends an input range, merging it with the previous one when they touch.
@@ -293,6 +700,246 @@ mod tests {
             .process(replies, &shared, &map(), &mut out, &mut report)
             .unwrap();
         (flatten(replies, &out), report)
+    }
+
+    /// As [`through`], with `limits`, the replies arriving `piece` bytes at a time; also
+    /// returns the most bytes the reply side held between reads.
+    fn through_in_pieces(
+        requests: &[u8],
+        replies: &[u8],
+        limits: Limits,
+        piece: usize,
+    ) -> Result<(Vec<u8>, Report, usize), RespError> {
+        let shared = Shared::new(true);
+        RequestSide::new(limits).observe(requests, &shared)?;
+        let mut side = ReplySide::new(limits);
+        let (mut all, mut report, mut held) = (vec![], Report::default(), 0);
+        for chunk in replies.chunks(piece) {
+            let mut out = vec![];
+            side.process(chunk, &shared, &map(), &mut out, &mut report)?;
+            all.extend_from_slice(&flatten(chunk, &out));
+            held = held.max(side.held());
+        }
+        Ok((all, report, held))
+    }
+
+    fn small() -> Limits {
+        Limits {
+            max_frame: 4096,
+            ..Limits::default()
+        }
+    }
+
+    fn array(items: &[&[u8]]) -> Vec<u8> {
+        let mut v = format!("*{}\r\n", items.len()).into_bytes();
+        for i in items {
+            v.extend_from_slice(i);
+        }
+        v
+    }
+
+    const SLOTS: &[u8] = b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$8\r\n10.0.0.1\r\n:6379\r\n$40\r\n0000000000000000000000000000000000000000\r\n";
+    const SLOTS_REWRITTEN: &[u8] = b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$11\r\n127.0.77.70\r\n:30000\r\n$40\r\n0000000000000000000000000000000000000000\r\n";
+
+    #[test]
+    fn pubsub_messages_of_any_size_stream_and_are_classified_by_their_first_elements() {
+        let big = vec![b'm'; 100_000];
+        let confirm = |kind: &[u8], ch: &[u8], n: &[u8]| array(&[&bulk(kind), &bulk(ch), n]);
+        let mut replies = confirm(b"subscribe", b"a", b":1\r\n");
+        replies.extend(confirm(b"psubscribe", b"p*", b":2\r\n"));
+        replies.extend(array(&[&bulk(b"message"), &bulk(b"a"), &bulk(&big)]));
+        replies.extend(array(&[
+            &bulk(b"pmessage"),
+            &bulk(b"p*"),
+            &bulk(b"pa"),
+            &bulk(&big),
+        ]));
+        // A channel name as long as a message: a confirmation streams too.
+        replies.extend(confirm(b"unsubscribe", &big, b":1\r\n"));
+        replies.extend(confirm(b"punsubscribe", b"p*", b":0\r\n"));
+        // No subscription left: this is CLUSTER SLOTS' reply, rewritten.
+        replies.extend_from_slice(SLOTS);
+        let requests = [
+            &b"SUBSCRIBE a\r\nPSUBSCRIBE p*\r\n"[..],
+            &array(&[&bulk(b"UNSUBSCRIBE"), &bulk(&big)]),
+            b"PUNSUBSCRIBE\r\nCLUSTER SLOTS\r\n",
+        ]
+        .concat();
+        let mut want = replies[..replies.len() - SLOTS.len()].to_vec();
+        want.extend_from_slice(SLOTS_REWRITTEN);
+        for piece in [1, 7, 4096, replies.len()] {
+            let (out, report, held) =
+                through_in_pieces(&requests, &replies, small(), piece).unwrap();
+            assert!(out == want, "piece {piece}");
+            assert_eq!(report.kinds, ["cluster_slots"], "piece {piece}");
+            // The most held is CLUSTER SLOTS' reply, whatever the size of the messages.
+            assert!(held <= SLOTS.len(), "held {held} bytes, piece {piece}");
+        }
+        // RESP3: a push message while a subscribe waits for its confirmation.
+        let mut replies = b"%0\r\n".to_vec();
+        let mut push = array(&[&bulk(b"message"), &bulk(b"a"), &bulk(&big)]);
+        push[0] = b'>';
+        replies.extend_from_slice(&push);
+        let mut confirmation = confirm(b"subscribe", b"b", b":1\r\n");
+        confirmation[0] = b'>';
+        replies.extend_from_slice(&confirmation);
+        replies.extend_from_slice(SLOTS);
+        let (out, _, held) = through_in_pieces(
+            b"HELLO 3\r\nSUBSCRIBE b\r\nCLUSTER SLOTS\r\n",
+            &replies,
+            small(),
+            1000,
+        )
+        .unwrap();
+        assert!(out.ends_with(SLOTS_REWRITTEN) && held <= SLOTS.len());
+    }
+
+    #[test]
+    fn an_array_that_is_no_pub_sub_frame_is_held_whole_when_a_topology_reply_is_due() {
+        // Subscribed in RESP2, CLUSTER SLOTS' reply is placed in band (as it was before
+        // messages streamed): its first element, longer than a pub/sub name, is held on
+        // with the rest, at every split.
+        let id = |n: u8| vec![n; 40];
+        let node = |ip: &[u8], n: u8| array(&[&bulk(ip), b":6379\r\n", &bulk(&id(n))]);
+        let slots = array(&[&array(&[
+            b":0\r\n",
+            b":16383\r\n",
+            &node(b"10.0.0.1", b'0'),
+            &node(b"10.0.0.2", b'1'),
+        ])]);
+        let confirmation = array(&[&bulk(b"ssubscribe"), &bulk(b"s"), b":1\r\n"]);
+        let replies = [confirmation.as_slice(), &slots].concat();
+        let (whole, report) = through(b"SSUBSCRIBE s\r\nCLUSTER SLOTS\r\n", &replies);
+        assert!(
+            String::from_utf8_lossy(&whole).contains("127.0.77.70"),
+            "{report:?}"
+        );
+        for piece in 1..replies.len() {
+            let (out, _, _) = through_in_pieces(
+                b"SSUBSCRIBE s\r\nCLUSTER SLOTS\r\n",
+                &replies,
+                small(),
+                piece,
+            )
+            .unwrap();
+            assert!(out == whole, "piece {piece}");
+        }
+    }
+
+    #[test]
+    fn an_exec_reply_holds_only_its_topology_elements() {
+        let big = vec![b'v'; 100_000];
+        let replies = [
+            &b"+OK\r\n+QUEUED\r\n+QUEUED\r\n+QUEUED\r\n"[..],
+            &array(&[&bulk(&big), SLOTS, b":1\r\n"]),
+            SLOTS,
+        ]
+        .concat();
+        let want = [
+            &b"+OK\r\n+QUEUED\r\n+QUEUED\r\n+QUEUED\r\n"[..],
+            &array(&[&bulk(&big), SLOTS_REWRITTEN, b":1\r\n"]),
+            SLOTS_REWRITTEN,
+        ]
+        .concat();
+        let requests = b"MULTI\r\nGET k\r\nCLUSTER SLOTS\r\nINCR n\r\nEXEC\r\nCLUSTER SLOTS\r\n";
+        for piece in [1, 3, 4096, replies.len()] {
+            let (out, report, held) =
+                through_in_pieces(requests, &replies, small(), piece).unwrap();
+            assert!(
+                out == want,
+                "piece {piece}: {}",
+                String::from_utf8_lossy(&out[out.len().saturating_sub(300)..])
+            );
+            assert_eq!(report.kinds, ["exec", "cluster_slots"], "piece {piece}");
+            assert!(held <= SLOTS.len(), "held {held} bytes, piece {piece}");
+        }
+        // An EXEC reply of the wrong length is not rewritten at all; a null one (WATCH)
+        // passes.
+        let odd = [&b"+OK\r\n+QUEUED\r\n"[..], &array(&[SLOTS, SLOTS])].concat();
+        let (out, report, _) =
+            through_in_pieces(b"MULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n", &odd, small(), 5).unwrap();
+        assert_eq!(out, odd);
+        assert_eq!(report.skipped, ["exec_length"]);
+        let null = b"+OK\r\n+QUEUED\r\n*-1\r\n";
+        let (out, _, _) =
+            through_in_pieces(b"MULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n", null, small(), 5).unwrap();
+        assert_eq!(out, null);
+    }
+
+    #[test]
+    fn replies_not_rewritten_pass_at_any_size_and_depth_but_topology_ones_are_bounded() {
+        let line = |ty: u8| [&[ty][..], &vec![b'x'; 70_000], b"\r\n"].concat();
+        let mut deep = b"*1\r\n".repeat(71);
+        deep.extend_from_slice(b":1\r\n");
+        for (request, reply) in [
+            (&b"EVAL x 0\r\n"[..], line(b'-')),
+            (b"EVAL x 0\r\n", line(b'+')),
+            (b"EVAL x 0\r\n", deep.clone()),
+            // Paired with a topology command, and still not of its shape.
+            (b"CLUSTER SLOTS\r\n", line(b'-')),
+            (b"CLUSTER SLOTS\r\n", deep.clone()),
+            (
+                // The error answers EVAL (sent while monitoring), the long status is a
+                // monitor line.
+                b"MONITOR\r\nEVAL x 0\r\n",
+                [&b"+OK\r\n"[..], &line(b'+'), &line(b'-')].concat(),
+            ),
+        ] {
+            for piece in [1000, reply.len()] {
+                let (out, _, held) = through_in_pieces(request, &reply, small(), piece).unwrap();
+                assert!(out == reply, "{}", String::from_utf8_lossy(request));
+                assert!(held <= LINE_CAPTURE.max(deep.len()));
+            }
+        }
+        // A reply to CLUSTER NODES too large to hold closes the connection: it would leak
+        // every internal address if it went out as it is.
+        let nodes = bulk(&vec![b'n'; 5000]);
+        let e = through_in_pieces(b"CLUSTER NODES\r\n", &nodes, small(), 100).unwrap_err();
+        assert_eq!(e, RespError::FrameTooLarge(4096));
+        assert!(e.is_limit());
+    }
+
+    #[test]
+    fn a_long_transaction_is_bounded_and_its_exec_then_passes_unchanged() {
+        use crate::resp::pairing::MAX_TRANSACTION_RUNS;
+        let shared = Shared::new(true);
+        let mut requests = RequestSide::new(Limits::default());
+        requests.observe(b"MULTI\r\n", &shared).unwrap();
+        let commands = b"GET k\r\nCLUSTER SLOTS\r\n".repeat(MAX_TRANSACTION_RUNS);
+        requests.observe(&commands, &shared).unwrap();
+        let entries = shared.pairing().entries();
+        assert!(entries < MAX_PENDING / 2, "{entries} entries");
+        requests
+            .observe(b"EXEC\r\nCLUSTER SLOTS\r\n", &shared)
+            .unwrap();
+        let mut replies = b"+OK\r\n".to_vec();
+        replies.extend(b"+QUEUED\r\n".repeat(2 * MAX_TRANSACTION_RUNS));
+        let exec = [
+            format!("*{}\r\n", 2 * MAX_TRANSACTION_RUNS).as_bytes(),
+            &[&b"$-1\r\n"[..], SLOTS]
+                .concat()
+                .repeat(MAX_TRANSACTION_RUNS),
+        ]
+        .concat();
+        replies.extend_from_slice(&exec);
+        replies.extend_from_slice(SLOTS);
+        let (mut out, mut report) = (vec![], Report::default());
+        ReplySide::new(Limits::default())
+            .process(&replies, &shared, &map(), &mut out, &mut report)
+            .unwrap();
+        let out = flatten(&replies, &out);
+        assert!(out[..out.len() - SLOTS_REWRITTEN.len()] == replies[..replies.len() - SLOTS.len()]);
+        assert!(out.ends_with(SLOTS_REWRITTEN));
+        // A million GETs in a transaction are one run (and their +QUEUED replies another).
+        let shared = Shared::new(true);
+        let cmds = [
+            &b"MULTI\r\n"[..],
+            &b"GET k\r\n".repeat(1_000_000),
+            b"CLUSTER SLOTS\r\n",
+        ]
+        .concat();
+        requests.observe(&cmds, &shared).unwrap();
+        assert_eq!(shared.pairing().entries(), 3);
     }
 
     fn bulk(text: &[u8]) -> Vec<u8> {

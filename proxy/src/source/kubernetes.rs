@@ -340,7 +340,9 @@ async fn ask(nodes: Vec<PodNode>, resolver: Resolver, timeout: Duration) -> Answ
         ids.spawn(async move { (pod, discovery::node_id(pod.addr, timeout).await) });
     }
     let candidates: Vec<Backend> = nodes.iter().map(|p| Backend::ip(p.addr)).collect();
-    let shards = discovery::discover(&resolver, &candidates, timeout).await;
+    let shards = discovery::discover(&resolver, &candidates, timeout)
+        .await
+        .map(|c| c.shards);
     let mut answers = Answers {
         ids: Vec::with_capacity(nodes.len()),
         shards,

@@ -120,6 +120,11 @@ impl RoutePublisher {
         self.refresh.clone()
     }
 
+    /// The proxy's metrics, for what a source counts itself.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     /// The table in force.
     pub fn current(&self) -> Arc<Snapshot> {
         self.tx.borrow().clone()
@@ -178,6 +183,8 @@ impl RoutePublisher {
             h.failing = Some((message, since));
         });
         let version = self.tx.borrow().version;
+        // The table in force is no longer confirmed by the source.
+        self.metrics.routes.stale.set(i64::from(version > 0));
         tracing::error!(
             source,
             keeping_version = version,
@@ -188,6 +195,7 @@ impl RoutePublisher {
     /// A source's fetch succeeded (whether or not its table changed): clears a failure.
     pub fn report_ok(&self, source: &'static str) {
         self.metrics.routes.source_up(source, true);
+        self.metrics.routes.stale.set(0);
         let mut recovered = None;
         self.health.send_if_modified(|h| {
             let changed = h.source != source || h.failing.is_some();

@@ -1,11 +1,14 @@
 //! Routes discovered from seed nodes with `CLUSTER SHARDS`, refreshed periodically and
-//! whenever a rewriter meets an address the table does not know.
+//! whenever a rewriter meets an address the table does not know. Several nodes are asked
+//! and their views compared ([`discovery::views`]), so that one confused node cannot
+//! replace the table; when no view can be used, the table in force stays, stale.
 //!
 //! Seed mode needs nodes that announce addresses the proxy can reach (Valkey's default). In
 //! the announce mode of the design the nodes announce the proxy's own address; discovery then
 //! finds the proxy itself, which the publisher refuses: give such routes in a file.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{RoutePublisher, RouteSource};
 use crate::dial::Resolver;
-use crate::discovery::{self, Assignment, DiscoveryError};
+use crate::discovery::{self, Assignment, DiscoveryError, Refusal};
+use crate::metrics::{Metrics, ReasonLabels};
 use crate::model::{Backend, Route, Routes};
 
 /// Routes from seed nodes.
@@ -27,6 +31,10 @@ pub struct SeedSource {
     timeout: Duration,
     resolver: Resolver,
     assignment: Assignment,
+    /// The answers the last discovery did not use, so that a change is logged once.
+    refused: Vec<(SocketAddr, Refusal)>,
+    /// The nodes the last discovery kept on the majority's word.
+    kept: Vec<String>,
 }
 
 impl SeedSource {
@@ -48,19 +56,61 @@ impl SeedSource {
             timeout,
             resolver,
             assignment: Assignment::default(),
+            refused: vec![],
+            kept: vec![],
         }
     }
 
-    /// One discovery → routes: the seeds are asked first, then the nodes of the table in
-    /// force.
-    async fn refresh(&mut self, known: &Routes) -> Result<(Routes, Vec<String>), DiscoveryError> {
+    /// One discovery → routes: a few nodes are asked (the seeds first, then the nodes of
+    /// the table in force), and their answers compared ([`discovery::views`]).
+    async fn refresh(
+        &mut self,
+        known: &Routes,
+        metrics: &Metrics,
+    ) -> Result<(Routes, Vec<String>), DiscoveryError> {
         let mut candidates: Vec<Backend> = self.seeds.clone();
         for r in known.values() {
             if !candidates.contains(&r.backend) {
                 candidates.push(r.backend.clone());
             }
         }
-        let shards = discovery::discover(&self.resolver, &candidates, self.timeout).await?;
+        let choice = discovery::discover(&self.resolver, &candidates, self.timeout).await;
+        let choice = match choice {
+            Ok(c) => c,
+            Err(e) => {
+                self.refused.clear();
+                self.kept.clear();
+                return Err(e);
+            }
+        };
+        for (_, why) in &choice.refused {
+            metrics
+                .routes
+                .views_refused
+                .get_or_create(&ReasonLabels {
+                    reason: why.label(),
+                })
+                .inc();
+        }
+        // Said once per change, not on every refresh while a node stays confused.
+        if choice.refused != self.refused || choice.kept != self.kept {
+            for (addr, why) in &choice.refused {
+                tracing::warn!(
+                    source = "seed",
+                    node = %addr,
+                    reason = why.label(),
+                    chosen = %choice.chosen,
+                    "a node's view of the cluster was not used: {}",
+                    why.describe()
+                );
+            }
+            if !choice.kept.is_empty() {
+                tracing::warn!(source = "seed", kept = ?choice.kept, chosen = %choice.chosen, "nodes that most nodes still report were kept");
+            }
+            self.refused = choice.refused.clone();
+            self.kept = choice.kept.clone();
+        }
+        let shards = choice.shards;
         let (placed, mut skipped) = self.assignment.assign(self.ports_per_shard, &shards);
         let stride = self.assignment.stride().unwrap_or(1);
         let shard_count = placed.iter().map(|(r, _)| r.shard.0 + 1).max().unwrap_or(1);
@@ -82,15 +132,31 @@ impl SeedSource {
             .collect();
         let mut routes = BTreeMap::new();
         for (r, node) in placed {
-            let Some(port) = node.port.or(node.tls_port) else {
-                skipped.push(format!("node {}: no port announced", node.id));
-                continue;
-            };
-            let backend = match format!("{}:{port}", node.ip).parse::<Backend>() {
-                Ok(b) if !node.ip.is_empty() => b,
-                _ => {
-                    skipped.push(format!("node {}: no usable ip ({:?})", node.id, node.ip));
-                    continue;
+            // A node the others list without an address (`noaddr`: another node answered
+            // at its address, say one restarted empty) keeps the address it had.
+            let last = known
+                .values()
+                .find(|k| k.node_id.as_deref() == Some(node.id.as_str()))
+                .filter(|_| node.ip.is_empty());
+            let (backend, tls_backend) = match last {
+                Some(k) => (k.backend.clone(), k.tls_backend.clone()),
+                None => {
+                    let Some(port) = node.port.or(node.tls_port) else {
+                        skipped.push(format!("node {}: no port announced", node.id));
+                        continue;
+                    };
+                    let backend = match format!("{}:{port}", node.ip).parse::<Backend>() {
+                        Ok(b) if !node.ip.is_empty() => b,
+                        _ => {
+                            skipped.push(format!("node {}: no usable ip ({:?})", node.id, node.ip));
+                            continue;
+                        }
+                    };
+                    let tls_backend = match (node.port, node.tls_port) {
+                        (Some(_), Some(tls)) => format!("{}:{tls}", node.ip).parse().ok(),
+                        _ => None,
+                    };
+                    (backend, tls_backend)
                 }
             };
             routes.insert(
@@ -102,10 +168,7 @@ impl SeedSource {
                     hostname: node.hostname.clone(),
                     rewrite: self.rewrite,
                     primary: node.primary,
-                    tls_backend: match (node.port, node.tls_port) {
-                        (Some(_), Some(tls)) => format!("{}:{tls}", node.ip).parse().ok(),
-                        _ => None,
-                    },
+                    tls_backend,
                     slots: slots_of
                         .get(node.id.as_str())
                         .map(|s| s.to_vec())
@@ -128,7 +191,7 @@ impl RouteSource for SeedSource {
         let refresh = publisher.refresh_requests();
         loop {
             let known = publisher.current().routes.clone();
-            let wait = match self.refresh(&known).await {
+            let wait = match self.refresh(&known, publisher.metrics()).await {
                 Ok((routes, skipped)) => {
                     for s in skipped {
                         tracing::warn!(source = name, "not routed: {s}");

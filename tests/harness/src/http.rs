@@ -48,6 +48,8 @@ pub const PROXY_LABELLED_FAMILIES: &[(&str, &[&str])] = &[
     ("shardgate_proxy_backend_errors", &["kind", "port"]),
     ("shardgate_proxy_route_source_errors", &["source"]),
     ("shardgate_proxy_route_source_up", &["source"]),
+    ("shardgate_proxy_route_source_fetches", &["source"]),
+    ("shardgate_proxy_discovery_views_refused", &["reason"]),
     ("shardgate_proxy_rewritten_replies", &["kind"]),
     ("shardgate_proxy_rewrite_skipped", &["reason"]),
     ("shardgate_proxy_protocol_errors", &["reason"]),

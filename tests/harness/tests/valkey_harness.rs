@@ -446,6 +446,7 @@ fn per_node_config_and_runtime_config_are_applied_and_kept() {
 
 #[test]
 fn dropping_the_cluster_leaves_no_process_and_no_directory() {
+    let _turn = STRAYS.lock().unwrap_or_else(|e| e.into_inner());
     let cluster = ValkeyCluster::start(ClusterSpec::new(1, 1)).unwrap();
     let root = cluster.root_dir().to_path_buf();
     let marker = root.display().to_string();
@@ -503,4 +504,145 @@ fn a_node_that_dies_on_its_own_is_reported_at_once() {
 
     cluster.restart(node.pos, Restart::SameAddress).unwrap();
     assert_ok_everywhere(&cluster);
+}
+
+/// Tests that look at every harness process on the machine (strays) take turns: one of
+/// them makes a stray on purpose.
+static STRAYS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The child-process side of [`nodes_orphaned_by_a_killed_test_process_are_reaped_by_the_next_start`],
+/// chosen by `SHARDGATE_HARNESS_CHILD`; run as a test of its own it does nothing.
+#[test]
+fn child_process_role() {
+    match std::env::var("SHARDGATE_HARNESS_CHILD").as_deref() {
+        // A test process that starts a node, says where (in the file its parent named),
+        // and is then killed by its parent.
+        Ok("orphan") => {
+            let server = shardgate_harness::valkey::Standalone::start().unwrap();
+            let out = std::env::var_os("SHARDGATE_HARNESS_CHILD_OUT").unwrap();
+            let tmp = std::path::PathBuf::from(&out).with_extension("tmp");
+            std::fs::write(&tmp, server.dir.display().to_string()).unwrap();
+            std::fs::rename(&tmp, &out).unwrap();
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        // The next test run: its first harness start reaps what dead runs left.
+        Ok("start") => {
+            drop(shardgate_harness::valkey::Standalone::start().unwrap());
+        }
+        _ => {}
+    }
+}
+
+/// This test binary, running only [`child_process_role`] as `role`.
+fn child(role: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "child_process_role",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env("SHARDGATE_HARNESS_CHILD", role)
+    .stdin(std::process::Stdio::null())
+    .stderr(std::process::Stdio::inherit());
+    cmd
+}
+
+/// Whether `pid` is still a process (a zombie that only waits for its parent to collect
+/// its status is not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| Some(s.rsplit_once(')')?.1.trim_start().starts_with('Z')))
+        .is_some_and(|zombie| !zombie)
+}
+
+#[test]
+fn a_panicking_test_leaves_no_process_and_no_directory() {
+    let _turn = STRAYS.lock().unwrap_or_else(|e| e.into_inner());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let result = std::thread::spawn(move || {
+        let cluster = ValkeyCluster::start(ClusterSpec::new(1, 1)).unwrap();
+        let pids: Vec<u32> = cluster.nodes().iter().map(|n| n.pid().unwrap()).collect();
+        tx.send((cluster.root_dir().to_path_buf(), pids)).unwrap();
+        panic!("a test fails with its cluster running");
+    })
+    .join();
+    assert!(result.is_err(), "the thread did not panic");
+    let (root, pids) = rx.recv().unwrap();
+    assert_eq!(pids.len(), 2);
+    assert_eq!(
+        processes_mentioning(&root.display().to_string()),
+        Vec::<u32>::new()
+    );
+    for pid in pids {
+        assert!(!running(pid), "node pid {pid} outlived the panic");
+    }
+    assert!(!root.exists(), "{} is left", root.display());
+}
+
+#[test]
+fn nodes_orphaned_by_a_killed_test_process_are_reaped_by_the_next_start() {
+    let _turn = STRAYS.lock().unwrap_or_else(|e| e.into_inner());
+    let out = std::env::temp_dir().join(format!("orphan-test-{}", std::process::id()));
+    let _ = std::fs::remove_file(&out);
+    let mut test = child("orphan")
+        .env("SHARDGATE_HARNESS_CHILD_OUT", &out)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dir = loop {
+        if let Ok(dir) = std::fs::read_to_string(&out) {
+            break std::path::PathBuf::from(dir);
+        }
+        if let Some(status) = test.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = test.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            panic!("the child test exited ({status}) before starting its node:\n{err}");
+        }
+        assert!(Instant::now() < deadline, "the child test started no node");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_file(&out);
+    let marker = dir.display().to_string();
+    let node = processes_mentioning(&marker);
+    assert_eq!(node.len(), 1, "the child's node: {node:?}");
+    let node = node[0];
+
+    // SIGKILL: no drop, no cleanup; the node outlives its test process.
+    test.kill().unwrap();
+    test.wait().unwrap();
+    assert!(running(node), "the node died with its test process");
+    assert!(
+        stray_processes().contains(&node),
+        "the orphan is not seen as a stray"
+    );
+    assert!(dir.exists());
+
+    let next = child("start")
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(
+        next.status.success(),
+        "the next run's harness start: {}\n{}",
+        next.status,
+        String::from_utf8_lossy(&next.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while running(node) {
+        assert!(
+            Instant::now() < deadline,
+            "the orphan {node} was not reaped"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!dir.exists(), "{} is left", dir.display());
+    assert_eq!(processes_mentioning(&marker), Vec::<u32>::new());
 }

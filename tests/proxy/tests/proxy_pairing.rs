@@ -6,7 +6,8 @@
 //! `DISCARD x`); RESP3 arrays on a subscribed connection that look like pub/sub frames;
 //! unsubscribing from everything with mixed subscriptions. And where a pairing is still
 //! wrong, a stored value is never rewritten: a reply is rebuilt only in its command's
-//! exact shape.
+//! exact shape. Bad input gets Valkey's own protocol error line, as directly. The random
+//! scripts of the same comparison are in `fuzz_differential.rs`.
 
 use std::borrow::Cow;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -337,27 +338,115 @@ async fn resp3_arrays_on_a_subscribed_connection_are_replies() {
     f.assert_same(script, &[], &cut(&direct), &cut(&proxied));
 }
 
-/// Where the pairing is still wrong (`CLIENT REPLY SKIP` on a RESP2 subscribed connection,
-/// which Valkey refuses there), a stored value paired with CLUSTER NODES is not rewritten:
-/// it is not a CLUSTER NODES reply in shape, and goes out byte for byte, counted.
+/// Where the pairing cannot follow Valkey (`CLIENT REPLY SKIP` on a RESP2 subscribed
+/// connection, which Valkey refuses there; a subscribe inside MULTI; HELLO sent with replies
+/// off), the proxy forwards the replies up to that point as Valkey sent them, then an error
+/// line, and closes, counted: a stored value that looks like topology is never rewritten,
+/// and no later topology reply goes out with internal addresses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_value_paired_with_a_topology_command_is_never_rewritten() {
+async fn where_the_pairing_cannot_follow_the_connection_is_closed_never_guessed() {
     let f = Fixture::start().await;
     let nodes = f.cluster_nodes();
     let value = format!("{nodes}MOVED 1 {}\n", f.node());
     f.set(&f.key("nodes"), &value);
-    let script = f.keys(
-        "SUBSCRIBE ch\r\nCLIENT REPLY SKIP\r\nUNSUBSCRIBE ch\r\nGET @nodes\r\nCLUSTER NODES\r\n",
-    );
-    let (direct, proxied) = f.both(&script).await;
-    let (d, p) = (frames(&direct), frames(&proxied));
-    assert_eq!(d.len(), 5, "{}", direct.escape_ascii());
-    assert_eq!(p.len(), 5, "{}", proxied.escape_ascii());
-    // The GET's value, unchanged.
-    assert_eq!(d[3], p[3]);
-    assert!(d[3].ends_with(format!("MOVED 1 {}\n\r\n", f.node()).as_bytes()));
-    assert_eq!(
-        f.metric("shardgate_proxy_rewrite_skipped_total{reason=\"not_cluster_nodes\"}"),
-        1.0
-    );
+    let tail = "GET @nodes\r\nCLUSTER NODES\r\nCLUSTER SLOTS\r\n";
+    let scripts = [
+        format!("SUBSCRIBE ch\r\nCLIENT REPLY SKIP\r\nUNSUBSCRIBE ch\r\n{tail}"),
+        format!("MULTI\r\nSUBSCRIBE ch\r\nEXEC\r\nUNSUBSCRIBE\r\n{tail}"),
+        format!("CLIENT REPLY OFF\r\nHELLO 3\r\nCLIENT REPLY ON\r\n{tail}"),
+    ];
+    let counted = "shardgate_proxy_connections_closed_total{reason=\"pairing_lost\"}";
+    let before = f.metric(counted);
+    let internal = format!(":{}", f.node().port());
+    for script in &scripts {
+        let script = f.keys(script);
+        let direct = transcript(f.node(), &script).await;
+        let port = f.layout.port(NodeRef::new(0, 0)).unwrap();
+        let proxied = until_closed(SocketAddr::from((LO, port)), &script).await;
+        let show = |b: &[u8]| b.escape_ascii().to_string();
+        let line = b"-ERR shardgate-proxy lost track of which reply answers which command";
+        let at = proxied
+            .windows(line.len())
+            .position(|w| w == line)
+            .unwrap_or_else(|| panic!("{}: no error line in {}", show(&script), show(&proxied)));
+        // What came before the error line is what Valkey sent, unchanged; the line is the
+        // last thing sent.
+        assert!(
+            direct.starts_with(&proxied[..at]),
+            "{}\ndirect:  {}\nproxied: {}",
+            show(&script),
+            show(&direct),
+            show(&proxied)
+        );
+        assert_eq!(frames(&proxied[at..]).len(), 1, "{}", show(&proxied));
+        // The value and the topology Valkey gave directly never went out, rewritten or not.
+        let text = String::from_utf8_lossy(&proxied);
+        assert!(!text.contains("MOVED 1 "), "{text}");
+        assert!(!text.contains(&internal), "{text}");
+        assert!(
+            String::from_utf8_lossy(&direct).contains(&internal),
+            "the direct transcript shows the internal address: {}",
+            show(&direct)
+        );
+    }
+    assert_eq!(f.metric(counted) - before, scripts.len() as f64);
+}
+
+/// Writes `script`, then reads until the proxy closes the connection (within 10 s).
+async fn until_closed(addr: SocketAddr, script: &[u8]) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(script).await.unwrap();
+    let mut out = Vec::new();
+    let read = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .unwrap_or_else(|_| panic!("the proxy did not close the connection"));
+    out
+}
+
+/// Bad client input gets Valkey's own `-ERR Protocol error: ...` line before the close,
+/// through the proxy as directly, after the replies to the commands before it; and the
+/// proxy counts what it saw rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_valkeys_protocol_error_line() {
+    let f = Fixture::start().await;
+    let scripts: [&[u8]; 7] = [
+        b"PING\r\n*1\r\n$abc\r\nPING\r\n",
+        b"*1\r\n+PING\r\nPING\r\n",
+        b"*abc\r\n",
+        b"*1\r\n$4\r\nPINGxx\r\nPING\r\n",
+        b"*1\r\n$04\r\nPING\r\n",
+        b"PING\r\nGET \"a\r\nPING\r\n",
+        b"*1\r\n$999999999999\r\n",
+    ];
+    let counted = "shardgate_proxy_protocol_errors_total{reason=\"client\"}";
+    let before = f.metric(counted);
+    for script in scripts {
+        let (direct, proxied) = f.both(script).await;
+        assert!(
+            direct
+                .windows(b"-ERR Protocol error: ".len())
+                .any(|w| w == b"-ERR Protocol error: "),
+            "Valkey answers {} with {}",
+            script.escape_ascii(),
+            direct.escape_ascii()
+        );
+        assert_eq!(
+            proxied.escape_ascii().to_string(),
+            direct.escape_ascii().to_string(),
+            "{}",
+            script.escape_ascii()
+        );
+    }
+    // The first five are the proxy's to see (the last two Valkey alone rejects: an
+    // unbalanced quote, a length past its configured limit).
+    assert_eq!(f.metric(counted) - before, 5.0);
 }

@@ -732,9 +732,14 @@ async fn a_topology_reply_past_the_frame_limit_closes_the_connection_with_an_err
         !text.contains("connected"),
         "the oversized reply went through: {text}"
     );
+    // Valid RESP, merely past a limit: not counted as a protocol error.
+    assert_eq!(
+        f.metric("shardgate_proxy_connections_closed_total{reason=\"limit_exceeded\"}"),
+        1.0
+    );
     assert_eq!(
         f.metric("shardgate_proxy_protocol_errors_total{reason=\"backend\"}"),
-        1.0
+        0.0
     );
     f.proxy.shutdown().await;
 }

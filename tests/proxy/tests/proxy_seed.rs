@@ -194,10 +194,458 @@ async fn nodes_that_announce_the_proxy_are_refused_instead_of_looping() {
         !proxy.is_ready(),
         "a table that routes the proxy to itself was accepted"
     );
+    // What a user sees: /readyz says why.
+    let admin = proxy.admin_addr().expect("the test proxy serves /readyz");
+    let (code, body) = block_in_place(|| shardgate_harness::http::get(admin, "/readyz")).unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("no route table loaded yet") && body.contains("route source seed failing"),
+        "/readyz: {body}"
+    );
     assert!(!proxy.routes().borrow().is_loaded());
     assert!(
         TcpStream::connect((LO, base)).is_err(),
         "a looping listener was bound"
     );
+    proxy.shutdown().await;
+}
+
+// ------------------------------------------------------------ discovery that cross-checks
+
+/// A lone cluster-enabled `valkey-server` with an empty data directory (a fresh
+/// `nodes.conf`) at `ip`, outside any cluster: a node restarted empty, or one about to join.
+/// Killed and its directory removed on drop.
+struct LoneNode {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    addr: SocketAddr,
+}
+
+impl LoneNode {
+    fn start(ip: Ipv4Addr, port: u16) -> LoneNode {
+        // A harness directory on the command line, so that a killed test's node is reaped.
+        let dir = shardgate_harness::procs::new_root_dir("lone").unwrap();
+        let exe = shardgate_harness::tools::valkey_server().unwrap();
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(["--port", &port.to_string()])
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--cluster-config-file")
+            .arg(dir.join("nodes.conf"))
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        for (k, v) in shardgate_harness::valkey::server::local_settings(ip) {
+            cmd.arg(format!("--{k}")).arg(v);
+        }
+        let child = cmd.spawn().unwrap();
+        let node = LoneNode {
+            child,
+            dir,
+            addr: SocketAddr::from((ip, port)),
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(node.addr).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} did not start",
+                node.addr
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        node
+    }
+
+    fn query(&self, args: &[&str]) -> redis::Value {
+        let client = redis::Client::open(format!("redis://{}", self.addr)).unwrap();
+        let mut con = client.get_connection().unwrap();
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(&mut con).unwrap()
+    }
+
+    fn id(&self) -> String {
+        match self.query(&["CLUSTER", "MYID"]) {
+            redis::Value::BulkString(b) => String::from_utf8(b).unwrap(),
+            other => panic!("CLUSTER MYID: {other:?}"),
+        }
+    }
+}
+
+impl Drop for LoneNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits until the seed source has finished more than `n` fetches (`n` = 0: the count
+/// now, plus one); returns the count.
+async fn wait_fetches(proxy: &ProxyHandle, n: f64) -> f64 {
+    let sample = "shardgate_proxy_route_source_fetches_total{source=\"seed\"}";
+    let n = if n == 0.0 {
+        block_in_place(|| metric(proxy, sample)).expect("the fetch counter is shown")
+    } else {
+        n
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = block_in_place(|| metric(proxy, sample)).expect("the fetch counter is shown");
+        if now > n {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the seed source stopped fetching"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn metric(proxy: &ProxyHandle, sample: &str) -> Option<f64> {
+    let admin = proxy.admin_addr().expect("the test proxy serves /metrics");
+    let (_, body) = shardgate_harness::http::get(admin, "/metrics").unwrap();
+    shardgate_harness::http::metric_value(&body, sample).ok()
+}
+
+async fn seed_proxy(
+    seeds: Vec<SocketAddr>,
+    base: u16,
+    ports_per_shard: Option<u32>,
+) -> ProxyHandle {
+    let mut config = ProxyConfig::new(SourceConfig::Seed {
+        seeds: seeds.into_iter().map(Backend::ip).collect(),
+        base_port: base,
+        ports_per_shard,
+        refresh: Duration::from_millis(200),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = Some((LO, 0).into());
+    config.connect_timeout = Duration::from_millis(500);
+    let proxy = Proxy::start(config).await.unwrap();
+    assert!(proxy.wait_ready(Duration::from_secs(10)).await);
+    proxy
+}
+
+/// Which node (by id) each port routes to, and whether the table calls it primary.
+fn placement(t: &RouteTable) -> Vec<(u16, Option<String>, bool)> {
+    t.routes
+        .iter()
+        .map(|(p, r)| (*p, r.node_id.clone(), r.primary))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_primary_that_never_heard_a_meet_is_routed() {
+    // 1 shard, 0 replicas: the node's own CLUSTER SHARDS has `ip ""` (nobody sent it a
+    // MEET); discovery once gave an empty table for it.
+    let cluster = block_in_place(|| ValkeyCluster::start(ClusterSpec::new(1, 0))).unwrap();
+    let node = cluster.node(NodeRef::new(0, 0));
+    let base = free_port_range(LO, 1);
+    let proxy = seed_proxy(vec![node.addr()], base, None).await;
+    let table = proxy.routes().borrow().clone();
+    assert_eq!(
+        placement(&table),
+        [(base, Some(node.node_id.clone()), true)]
+    );
+    assert_eq!(
+        table.route(base).unwrap().backend.socket_addr(),
+        Some(node.addr())
+    );
+    assert_eq!(table.route(base).unwrap().slots, [(0, 16383)]);
+    assert_eq!(block_in_place(|| myid_through(base)), node.node_id);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_empty_does_not_replace_the_table() {
+    let cluster = block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 1))).unwrap();
+    let base = free_port_range(LO, 6);
+    let confused = NodeRef::new(1, 1);
+    let at = cluster.node(confused).addr();
+    // The confused node is the first seed, so it is always asked.
+    let seeds = vec![at, cluster.node(NodeRef::new(2, 0)).addr()];
+    let proxy = seed_proxy(seeds, base, None).await;
+    let before = proxy.routes().borrow().clone();
+    assert_eq!(before.routes.len(), 6);
+
+    // It comes back with no nodes.conf: one shard, itself, no slots, cluster_state:fail,
+    // unknown to the others, and met into nothing.
+    cluster.kill(confused);
+    let SocketAddr::V4(v4) = at else {
+        unreachable!()
+    };
+    let lone = block_in_place(|| LoneNode::start(*v4.ip(), at.port()));
+    let fresh_id = block_in_place(|| lone.id());
+    assert_ne!(fresh_id, cluster.node(confused).node_id);
+    let refused = "shardgate_proxy_discovery_views_refused_total{reason=\"no_slots\"}";
+    // Discovery has observably asked it, twice, and not used what it said.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while block_in_place(|| metric(&proxy, refused)).unwrap_or(0.0) < 2.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the empty node's view was never refused"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = proxy.routes().borrow().clone();
+    assert_eq!(after.routes.len(), 6, "{:?}", placement(&after));
+    for node in cluster.nodes() {
+        let route = after
+            .route(
+                PortLayout::new(u32::from(base), 3, 1, None)
+                    .unwrap()
+                    .port(node.pos)
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(
+            route.node_id.as_deref(),
+            Some(node.node_id.as_str()),
+            "{}",
+            node.pos
+        );
+    }
+    assert!(
+        after
+            .routes
+            .values()
+            .all(|r| r.node_id.as_deref() != Some(fresh_id.as_str())),
+        "the empty node got a route"
+    );
+    assert!(proxy.is_ready());
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_hands_its_shard_name_and_slots_to_the_promoted_replica() {
+    use shardgate_proxy::tls::select::Selector;
+    let cluster = block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 1))).unwrap();
+    let base = free_port_range(LO, 6);
+    let layout = PortLayout::new(u32::from(base), 3, 1, None).unwrap();
+    let seeds = cluster.nodes().iter().map(|n| n.addr()).collect();
+    let proxy = seed_proxy(seeds, base, None).await;
+    let (old, new) = (NodeRef::new(0, 0), NodeRef::new(0, 1));
+    let route_of = |t: &RouteTable, n: NodeRef| t.route(layout.port(n).unwrap()).cloned().unwrap();
+    let slots = route_of(&proxy.routes().borrow(), old).slots.clone();
+    assert_eq!(slots, [(0, 5460)]);
+
+    // Killed, not stopped: the others mark it failed and its replica takes over by itself.
+    cluster.kill(old);
+    wait_table(&proxy, "the promoted replica as primary", |t| {
+        route_of(t, new).primary && !route_of(t, old).primary
+    })
+    .await;
+    let table = proxy.routes().borrow().clone();
+    assert_eq!(
+        route_of(&table, new).slots,
+        slots,
+        "the slots did not follow"
+    );
+    assert!(route_of(&table, old).slots.is_empty());
+    // The killed node keeps its port: the others still list it.
+    assert_eq!(
+        route_of(&table, old).node_id.as_deref(),
+        Some(cluster.node(old).node_id.as_str())
+    );
+
+    // The TLS port's shard name goes where the table says.
+    let selector = Selector::new(shardgate_crds::Hostnames {
+        prefix: "vc".into(),
+        domain: "example.test".into(),
+    });
+    let selected = selector.select(&table, "vc-0.example.test").unwrap();
+    assert_eq!(selected.candidates[0].node, new);
+
+    // One primary per shard in /routes, as a user reads it.
+    let admin = proxy.admin_addr().unwrap();
+    let (_, body) = block_in_place(|| shardgate_harness::http::get(admin, "/routes")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let mut primaries = std::collections::BTreeMap::<u64, Vec<String>>::new();
+    for route in json["routes"].as_object().unwrap().values() {
+        if route["primary"] == serde_json::Value::Bool(true) {
+            primaries
+                .entry(route["node"]["shard"].as_u64().unwrap())
+                .or_default()
+                .push(route["node_id"].as_str().unwrap().to_string());
+        }
+    }
+    let want: std::collections::BTreeMap<u64, Vec<String>> = [
+        (0, vec![cluster.node(new).node_id.clone()]),
+        (1, vec![cluster.node(NodeRef::new(1, 0)).node_id.clone()]),
+        (2, vec![cluster.node(NodeRef::new(2, 0)).node_id.clone()]),
+    ]
+    .into();
+    assert_eq!(primaries, want, "{body}");
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_node_gets_one_port_once() {
+    let cluster = block_in_place(|| ValkeyCluster::start(ClusterSpec::new(3, 1))).unwrap();
+    // Room for a third node per shard.
+    let base = free_port_range(LO, 9);
+    let layout = PortLayout::new(u32::from(base), 3, 2, Some(3)).unwrap();
+    let seeds = vec![cluster.node(NodeRef::new(0, 0)).addr()];
+    let proxy = seed_proxy(seeds, base, Some(3)).await;
+    // Every table from here on, to see where the new node ever was.
+    let mut rx = proxy.routes();
+    let first = rx.borrow_and_update().clone();
+    let seen = tokio::spawn(async move {
+        let mut tables = vec![first];
+        while rx.changed().await.is_ok() {
+            tables.push(rx.borrow_and_update().clone());
+        }
+        tables
+    });
+
+    let ip = shardgate_harness::addr::node_ip(&[6379, 6379 + 10000]).unwrap();
+    let joining = block_in_place(|| LoneNode::start(ip, 6379));
+    let id = block_in_place(|| joining.id());
+    let primary = cluster.node(NodeRef::new(1, 0));
+    // MEET, then a replica of shard 1 once it knows its primary: the steps an operator
+    // takes, each visible to discovery for a few refreshes.
+    block_in_place(|| primary.query::<()>(&["CLUSTER", "MEET", &ip.to_string(), "6379"])).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let nodes = format!(
+            "{:?}",
+            block_in_place(|| joining.query(&["CLUSTER", "NODES"]))
+        );
+        if nodes.contains(&primary.node_id) && !nodes.contains("handshake") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the MEET never completed: {nodes}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Two fetches later discovery has seen it as a shard of its own, with no slots: no port
+    // yet.
+    let fetches = wait_fetches(&proxy, 0.0).await;
+    wait_fetches(&proxy, fetches).await;
+    assert!(
+        proxy
+            .routes()
+            .borrow()
+            .routes
+            .values()
+            .all(|r| r.node_id.as_deref() != Some(id.as_str())),
+        "a node still joining got a port"
+    );
+    block_in_place(|| joining.query(&["CLUSTER", "REPLICATE", &primary.node_id]));
+    let port = layout.port(NodeRef::new(1, 2)).unwrap();
+    wait_table(&proxy, "the new replica", |t| {
+        t.route(port).and_then(|r| r.node_id.as_deref()) == Some(id.as_str())
+    })
+    .await;
+    // Synced and online: the last of its changes that discovery sees.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = format!(
+            "{:?}",
+            block_in_place(|| joining.query(&["INFO", "replication"]))
+        );
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica never synced: {info}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Two more fetches, in which discovery sees it synced.
+    let fetches = wait_fetches(&proxy, 0.0).await;
+    wait_fetches(&proxy, fetches).await;
+    proxy.shutdown().await;
+    let tables = seen.await.unwrap();
+    let versions: Vec<u64> = tables.iter().map(|t| t.version).collect();
+    assert!(
+        versions.windows(2).all(|w| w[1] == w[0] + 1),
+        "a table was missed, so the test proves nothing: {versions:?}"
+    );
+    let mut ports_of_new: Vec<u16> = vec![];
+    let mut present = vec![];
+    for t in &tables {
+        let here: Vec<u16> = t
+            .routes
+            .iter()
+            .filter(|(_, r)| r.node_id.as_deref() == Some(id.as_str()))
+            .map(|(p, _)| *p)
+            .collect();
+        present.push(!here.is_empty());
+        for p in here {
+            if !ports_of_new.contains(&p) {
+                ports_of_new.push(p);
+            }
+        }
+        // Nobody else ever moved either.
+        for node in cluster.nodes() {
+            let p = layout.port(node.pos).unwrap();
+            assert_eq!(
+                t.route(p).and_then(|r| r.node_id.clone()),
+                Some(node.node_id.clone()),
+                "version {}",
+                t.version
+            );
+        }
+    }
+    assert_eq!(
+        ports_of_new,
+        [port],
+        "the joining node was seen at other ports"
+    );
+    // Once there, it stayed: no flapping.
+    let first_seen = present.iter().position(|p| *p).unwrap();
+    assert!(present[first_seen..].iter().all(|p| *p), "{present:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_no_node_confirms_is_kept_and_readyz_says_it_is_stale() {
+    let cluster = block_in_place(|| ValkeyCluster::start(ClusterSpec::new(1, 0))).unwrap();
+    let node = cluster.node(NodeRef::new(0, 0));
+    let base = free_port_range(LO, 1);
+    let proxy = seed_proxy(vec![node.addr()], base, None).await;
+    let admin = proxy.admin_addr().unwrap();
+    let before = proxy.routes().borrow().clone();
+    assert_eq!(
+        block_in_place(|| metric(&proxy, "shardgate_proxy_route_table_stale")),
+        Some(0.0)
+    );
+
+    // The only node comes back empty: nobody serves a slot, so nothing confirms the table.
+    cluster.kill(NodeRef::new(0, 0));
+    let SocketAddr::V4(v4) = node.addr() else {
+        unreachable!()
+    };
+    let _lone = block_in_place(|| LoneNode::start(*v4.ip(), node.addr().port()));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while block_in_place(|| metric(&proxy, "shardgate_proxy_route_table_stale")) != Some(1.0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the table was never called stale"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, body) = block_in_place(|| shardgate_harness::http::get(admin, "/readyz")).unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("(stale)") && body.contains("serves any slot"),
+        "{body}"
+    );
+    let now = proxy.routes().borrow().clone();
+    assert_eq!((now.version, &now.routes), (before.version, &before.routes));
     proxy.shutdown().await;
 }

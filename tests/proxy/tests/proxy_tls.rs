@@ -9,7 +9,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,7 @@ use shardgate_proxy::model::Backend;
 use shardgate_proxy::tls::sni::testing::{client_hello, message, records};
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::task::block_in_place;
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -172,6 +172,25 @@ async fn cross_shard_set_get(con: &mut redis::cluster_async::ClusterConnection, 
     }
 }
 
+/// The keys [`cross_shard_set_get`] wrote with `tag`, read from the nodes themselves (not
+/// through the proxy): each is on the node that Valkey says owns its slot, with its value,
+/// and together they reached every shard. What the proxy's names routed is checked
+/// against Valkey, not against how the test built its keys.
+fn landed_on_their_owners(cluster: &ValkeyCluster, tag: &str) {
+    let mut shards = std::collections::BTreeSet::new();
+    for (i, k) in spread_keys(60, tag).iter().enumerate() {
+        let owner = cluster.slot_owner(key_slot(k.as_bytes())).unwrap();
+        let got: Option<String> = cluster.node(owner).query(&["GET", k]).unwrap();
+        assert_eq!(got, Some(i.to_string()), "{k} at its owner {owner}");
+        shards.insert(owner.shard);
+    }
+    assert_eq!(
+        shards.len() as u32,
+        cluster.spec().shards,
+        "shards written: {shards:?}"
+    );
+}
+
 /// Every string in a reply, joined.
 fn flat(v: &redis::Value) -> String {
     match v {
@@ -291,7 +310,7 @@ async fn terminate_routes_every_name_and_hands_out_sni_names() {
     // A cluster client over TLS: cross-shard SET/GET through per-node names.
     let mut con = tls_cluster_client(&pki, p.tls.port()).await;
     cross_shard_set_get(&mut con, "tls").await;
-    assert!(key_slot(b"x") < 16384);
+    block_in_place(|| landed_on_their_owners(&cluster, "tls"));
 
     // After a failover the shard name follows the new primary (seed refresh: 1s).
     let c = cluster.clone();
@@ -314,26 +333,50 @@ async fn terminate_routes_every_name_and_hands_out_sni_names() {
     p.handle.shutdown().await;
 }
 
-/// A backend that counts connections and answers `+PONG` to anything.
-async fn fake_backend() -> (SocketAddr, Arc<AtomicUsize>) {
-    let l = TcpListener::bind((LO, 0)).await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let count = Arc::new(AtomicUsize::new(0));
-    let c = count.clone();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            c.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = s.read(&mut buf).await {
-                    if n == 0 || s.write_all(b"+PONG\r\n").await.is_err() {
-                        break;
-                    }
-                }
-            });
+/// A real Valkey node whose connections the test counts: `total_connections_received`,
+/// read over one connection opened up front (itself counted once, before the baseline).
+struct CountedNode {
+    server: Standalone,
+    admin: redis::aio::MultiplexedConnection,
+    baseline: u64,
+}
+
+impl CountedNode {
+    async fn start() -> CountedNode {
+        let server = block_in_place(Standalone::start).unwrap();
+        let mut admin = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let baseline = Self::received(&mut admin).await;
+        CountedNode {
+            server,
+            admin,
+            baseline,
         }
-    });
-    (addr, count)
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from((LO, self.server.port))
+    }
+
+    async fn received(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("stats")
+            .query_async(admin)
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("INFO stats has total_connections_received")
+    }
+
+    /// Connections the node accepted since [`CountedNode::start`], the test's own aside.
+    async fn dialled(&mut self) -> u64 {
+        Self::received(&mut self.admin).await - self.baseline
+    }
 }
 
 fn one_node_routes(dir: &std::path::Path, backend: SocketAddr) -> SourceConfig {
@@ -349,7 +392,9 @@ fn one_node_routes(dir: &std::path::Path, backend: SocketAddr) -> SourceConfig {
     }
 }
 
-/// Sends `bytes` (then half-closes if `close`), returns what came back before EOF (3 s max).
+/// Sends `bytes` (then half-closes if `close`), returns what came back before the proxy
+/// closed the connection. Every refusal closes it; one that does not within 30 s (a limit
+/// only a broken proxy reaches, not a slow machine) fails the test.
 async fn raw(addr: SocketAddr, bytes: &[u8], close: bool) -> Vec<u8> {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(bytes).await.unwrap();
@@ -357,7 +402,13 @@ async fn raw(addr: SocketAddr, bytes: &[u8], close: bool) -> Vec<u8> {
         s.shutdown().await.unwrap();
     }
     let mut out = vec![];
-    let _ = tokio::time::timeout(Duration::from_secs(3), s.read_to_end(&mut out)).await;
+    match tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await {
+        Ok(Ok(_)) => {}
+        // A reset after the refusal's bytes is a close too.
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Ok(Err(e)) => panic!("reading the refusal of {bytes:?}: {e}"),
+        Err(_) => panic!("the proxy kept the connection open after {bytes:?}: {out:?}"),
+    }
     out
 }
 
@@ -369,8 +420,10 @@ const fn alert(desc: u8) -> [u8; 7] {
 async fn refusals_are_clear_counted_and_dial_nothing() {
     let pki = TestPki::new(DOMAIN).unwrap();
     let cert = pki.wildcard("proxy").unwrap();
-    let (backend, dialled) = fake_backend().await;
-    let source = one_node_routes(pki.dir(), backend);
+    // A real node: that the proxy dials nothing for a refused client is read from its
+    // own connection count.
+    let mut backend = CountedNode::start().await;
+    let source = one_node_routes(pki.dir(), backend.addr());
     let p = TlsProxy::start(
         source,
         terminate(&cert, None, BackendTlsConfig::Plain),
@@ -413,16 +466,21 @@ async fn refusals_are_clear_counted_and_dial_nothing() {
         raw(p.tls, &[22, 3, 3, 0, 4, 2, 0, 0, 0], false).await,
         alert(50)
     );
-    // Silent after three bytes: closed at the hello timeout.
+    // Silent after three bytes: closed at the hello timeout (800 ms), never before it; how
+    // much later depends on the machine, so only `raw`'s limit bounds it.
     let t = Instant::now();
     assert_eq!(raw(p.tls, &[22, 3, 1], false).await, b"");
     assert!(
-        t.elapsed() >= Duration::from_millis(700),
-        "{:?}",
+        t.elapsed() >= Duration::from_millis(800),
+        "closed {:?} after connecting, before the hello timeout",
         t.elapsed()
     );
 
-    assert_eq!(dialled.load(Ordering::SeqCst), 0, "no backend connection");
+    assert_eq!(
+        backend.dialled().await,
+        0,
+        "a refused client made the proxy dial"
+    );
     for (reason, n) in [
         ("unknown_sni", 1.0),
         ("no_route", 1.0),
@@ -445,7 +503,7 @@ async fn refusals_are_clear_counted_and_dial_nothing() {
     // And a good name does reach the node.
     let mut tls = ttls::connect(p.tls, &name(0, 0), config).await.unwrap();
     assert_eq!(text(&command(&mut tls, &["PING"]).await.unwrap()), "PONG");
-    assert_eq!(dialled.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.dialled().await, 1);
     p.handle.shutdown().await;
 }
 
@@ -715,6 +773,7 @@ async fn passthrough_to_tls_speaking_nodes() {
     let mut con = tls_cluster_client(&pki, tls_port).await;
     cross_shard_set_get(&mut con, "passthrough").await;
     drop(con);
+    block_in_place(|| landed_on_their_owners(&cluster, "passthrough"));
 
     // Refusals are the same in passthrough.
     let err = ttls::connect(addr, "nope.example.test", config)
@@ -729,8 +788,8 @@ async fn passthrough_to_tls_speaking_nodes() {
         ),
         Some(1.0)
     );
-    assert!(!stunnel.log().is_empty());
     handle.shutdown().await;
+    drop(stunnel);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -756,6 +815,7 @@ async fn terminate_with_tls_backends_and_rewriting() {
     let mut con = tls_cluster_client(&pki, p.tls.port()).await;
     cross_shard_set_get(&mut con, "tls-backends").await;
     drop(con);
+    block_in_place(|| landed_on_their_owners(&cluster, "tls-backends"));
     let port = p.tls.port();
     assert_eq!(
         p.metric(&format!(
@@ -784,4 +844,201 @@ async fn terminate_with_tls_backends_and_rewriting() {
         1.0
     );
     p.handle.shutdown().await;
+}
+
+/// Reads until the proxy closes the connection (or 30 s, which only a broken proxy takes).
+async fn until_closed(s: &mut TcpStream) -> Vec<u8> {
+    let mut out = vec![];
+    match tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Ok(Err(e)) => panic!("reading until the close: {e}"),
+        Err(_) => panic!("the proxy kept the connection open: {out:?}"),
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_hellos_cannot_lock_out_the_node_ports() {
+    const MAX_CONNECTIONS: usize = 150;
+    const HANDSHAKES: usize = 100;
+    const SLOW: usize = 200;
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let cert = pki.wildcard("proxy").unwrap();
+    let node = block_in_place(Standalone::start).unwrap();
+    let source = one_node_routes(pki.dir(), SocketAddr::from((LO, node.port)));
+    let tls_port = free_port(LO);
+    let mut config = ProxyConfig::new(source);
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    config.max_connections = MAX_CONNECTIONS;
+    config.tls_max_handshakes = HANDSHAKES;
+    config.drain_timeout = Duration::from_millis(200);
+    config.tls = Some(TlsConfig {
+        port: tls_port,
+        names: names(),
+        mode: terminate(&cert, None, BackendTlsConfig::Plain),
+        // Far longer than the test: the slow hellos hold their place throughout.
+        detect: DetectLimits {
+            timeout: Duration::from_secs(300),
+            max_bytes: 16 * 1024,
+        },
+    });
+    let proxy = Proxy::start(config).await.unwrap();
+    assert!(proxy.wait_ready(Duration::from_secs(10)).await);
+    let admin = proxy.admin_addr().unwrap();
+    let metric = |sample: &str| {
+        block_in_place(|| metric_value(&get(admin, "/metrics").unwrap().1, sample)).unwrap()
+    };
+    let tls = SocketAddr::from((LO, tls_port));
+    let plain = SocketAddr::from((LO, proxy.routes().borrow().ports().next().unwrap()));
+
+    // 200 clients send half a ClientHello each and wait.
+    let hello = client_hello(Some(&name(0, 0)), 0);
+    let mut slow = vec![];
+    for _ in 0..SLOW {
+        let mut s = TcpStream::connect(tls).await.unwrap();
+        s.write_all(&hello[..hello.len() / 2]).await.unwrap();
+        slow.push(s);
+    }
+    // The budget's worth are held; the rest were closed at once, and said so.
+    let over = "shardgate_proxy_tls_refused_total{reason=\"handshake_limit\"}";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric_value(&get(admin, "/metrics").unwrap().1, over).unwrap_or(0.0)
+        < (SLOW - HANDSHAKES) as f64
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the handshake budget was never reached"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(over), (SLOW - HANDSHAKES) as f64);
+    assert_eq!(
+        metric("shardgate_proxy_connections_rejected_total{reason=\"handshake_limit\"}"),
+        (SLOW - HANDSHAKES) as f64
+    );
+    // The node port serves its whole connection limit meanwhile: every connection answers.
+    let mut clients = vec![];
+    for i in 0..MAX_CONNECTIONS {
+        let mut s = TcpStream::connect(plain).await.unwrap();
+        s.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+        let mut reply = [0u8; 7];
+        tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut reply))
+            .await
+            .unwrap_or_else(|_| panic!("connection {i} got no reply"))
+            .unwrap();
+        assert_eq!(&reply, b"+PONG\r\n", "connection {i}");
+        clients.push(s);
+    }
+    // One more is past the limit: Valkey's own maxclients line, then the close.
+    let mut extra = TcpStream::connect(plain).await.unwrap();
+    assert_eq!(
+        until_closed(&mut extra).await,
+        b"-ERR max number of clients reached\r\n"
+    );
+    assert_eq!(
+        metric("shardgate_proxy_connections_rejected_total{reason=\"connection_limit\"}"),
+        1.0
+    );
+    drop(clients);
+
+    // The slow clients give up: their budget comes back, and a real client gets through.
+    drop(slow);
+    let gone = "shardgate_proxy_tls_refused_total{reason=\"closed\"}";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric_value(&get(admin, "/metrics").unwrap().1, gone).unwrap_or(0.0) < HANDSHAKES as f64
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the slow clients' closes were never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut client = ttls::connect(tls, &name(0, 0), pki.client_config(None))
+        .await
+        .unwrap();
+    assert_eq!(
+        text(&command(&mut client, &["PING"]).await.unwrap()),
+        "PONG"
+    );
+    proxy.shutdown().await;
+}
+
+/// A TCP connection to `to` from the loopback address `from` (any of 127.0.0.0/8).
+async fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    socket.connect(to).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_address_cannot_take_the_whole_handshake_budget() {
+    const PER_SOURCE: usize = 30;
+    let pki = TestPki::new(DOMAIN).unwrap();
+    let cert = pki.wildcard("proxy").unwrap();
+    let node = block_in_place(Standalone::start).unwrap();
+    let source = one_node_routes(pki.dir(), SocketAddr::from((LO, node.port)));
+    let tls_port = free_port(LO);
+    let mut config = ProxyConfig::new(source);
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    config.drain_timeout = Duration::from_millis(200);
+    config.tls_max_handshakes = 100;
+    config.tls_max_handshakes_per_source = PER_SOURCE;
+    config.tls = Some(TlsConfig {
+        port: tls_port,
+        names: names(),
+        mode: terminate(&cert, None, BackendTlsConfig::Plain),
+        detect: DetectLimits {
+            timeout: Duration::from_secs(300),
+            max_bytes: 16 * 1024,
+        },
+    });
+    let proxy = Proxy::start(config).await.unwrap();
+    assert!(proxy.wait_ready(Duration::from_secs(10)).await);
+    let admin = proxy.admin_addr().unwrap();
+    let tls = SocketAddr::from((LO, tls_port));
+
+    // One address sends 50 half hellos: 30 are held, 20 closed at once and counted.
+    let hello = client_hello(Some(&name(0, 0)), 0);
+    let mut slow = vec![];
+    for _ in 0..50 {
+        let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 2), tls).await;
+        s.write_all(&hello[..hello.len() / 2]).await.unwrap();
+        slow.push(s);
+    }
+    let over = "shardgate_proxy_tls_refused_total{reason=\"source_handshake_limit\"}";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen = block_in_place(|| metric_value(&get(admin, "/metrics").unwrap().1, over));
+        if seen.unwrap_or(0.0) >= 20.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the per-address budget was never reached"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Another address (127.0.0.1) still gets through, all the way to the node.
+    let mut client = ttls::connect(tls, &name(0, 0), pki.client_config(None))
+        .await
+        .unwrap();
+    assert_eq!(
+        text(&command(&mut client, &["PING"]).await.unwrap()),
+        "PONG"
+    );
+    let body = block_in_place(|| get(admin, "/metrics").unwrap().1);
+    assert_eq!(metric_value(&body, over).unwrap(), 20.0);
+    assert_eq!(
+        metric_value(
+            &body,
+            "shardgate_proxy_tls_refused_total{reason=\"handshake_limit\"}"
+        )
+        .unwrap(),
+        0.0
+    );
+    drop(slow);
+    proxy.shutdown().await;
 }

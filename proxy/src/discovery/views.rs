@@ -1,0 +1,429 @@
+//! Choosing what the cluster is from several nodes' answers, so that one confused node (one
+//! restarted empty, still in the handshake, cut off in `cluster_state:fail`, or not yet told
+//! of a failover) cannot replace the table.
+//!
+//! Each [`Answer`] is first made self-consistent ([`Answer::normalize`]): the answering node's
+//! own empty `ip` (a node that was never sent a MEET does not know it) becomes the address it
+//! was dialled at, nodes still in the handshake are dropped, and each
+//! shard keeps one primary: its highest-epoch primary that is not marked failed. Then
+//! [`choose`] refuses the answers that cover no slot, and those in `cluster_state:fail` when
+//! another is `ok`, and keeps the one whose slots are owned with the highest config epochs
+//! (the newest news of failovers and migrations). A node that a majority of the answers
+//! report is kept even when the chosen answer does not list it.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+
+use shardgate_admin_client::{NodeLine, NodeView, ShardView};
+
+/// What one node said: `CLUSTER MYID`, `CLUSTER INFO`'s state, `CLUSTER SHARDS` and
+/// `CLUSTER NODES` (for config epochs and flags, which `CLUSTER SHARDS` does not give).
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// Where it was dialled.
+    pub addr: SocketAddr,
+    /// Its own node id.
+    pub myself: String,
+    /// `cluster_state:ok`.
+    pub state_ok: bool,
+    pub shards: Vec<ShardView>,
+    pub nodes: Vec<NodeLine>,
+}
+
+/// Why an answer was not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It covers no slot: a node restarted empty, or a cluster not formed yet.
+    NoSlots,
+    /// It is in `cluster_state:fail` while another node is `ok`.
+    StateFail,
+    /// Another answer has newer slot owners (higher config epochs) or covers more slots.
+    Older,
+}
+
+impl Refusal {
+    /// A metric label (`discovery_views_refused_total{reason}`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::NoSlots => "no_slots",
+            Refusal::StateFail => "state_fail",
+            Refusal::Older => "older",
+        }
+    }
+
+    /// What it means, for logs.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Refusal::NoSlots => "it serves no slot (restarted empty, or not in the cluster)",
+            Refusal::StateFail => "it says cluster_state:fail while another node says ok",
+            Refusal::Older => "another node knows newer slot owners (higher config epochs)",
+        }
+    }
+}
+
+/// The view discovery goes on with.
+#[derive(Debug)]
+pub struct Choice {
+    pub shards: Vec<ShardView>,
+    /// The node whose answer it is.
+    pub chosen: SocketAddr,
+    /// The answers not used, and why.
+    pub refused: Vec<(SocketAddr, Refusal)>,
+    /// Nodes added because a majority reported them and the chosen answer did not.
+    pub kept: Vec<String>,
+}
+
+/// Failed according to `CLUSTER SHARDS` (`health failed`) or `CLUSTER NODES` (`fail`).
+fn failed(node: &NodeView, line: Option<&NodeLine>) -> bool {
+    node.health == "failed" || node.health == "fail" || line.is_some_and(|l| l.has_flag("fail"))
+}
+
+impl Answer {
+    /// Makes the answer self-consistent; see the module docs.
+    pub fn normalize(&mut self) {
+        let lines: HashMap<&str, &NodeLine> =
+            self.nodes.iter().map(|l| (l.id.as_str(), l)).collect();
+        let dialled = self.addr.ip().to_string();
+        for shard in &mut self.shards {
+            // A node in the handshake may not stay. A `noaddr` one is kept: the others mark
+            // a known node so when another one answers at its address (say, it restarted
+            // empty), and it is still theirs.
+            shard.nodes.retain(|n| {
+                !lines
+                    .get(n.id.as_str())
+                    .is_some_and(|l| l.has_flag("handshake"))
+            });
+            for node in &mut shard.nodes {
+                if node.id == self.myself && node.ip.is_empty() {
+                    node.ip = dialled.clone();
+                    if node.port.is_none() && node.tls_port.is_none() {
+                        node.port = Some(self.addr.port());
+                    }
+                }
+            }
+            // One primary per shard: after a failover the old primary may still be listed
+            // as a failed `master` beside the promoted replica.
+            let epoch = |n: &NodeView| lines.get(n.id.as_str()).map_or(0, |l| l.config_epoch);
+            let primary = shard
+                .nodes
+                .iter()
+                .filter(|n| n.primary && !failed(n, lines.get(n.id.as_str()).copied()))
+                .max_by_key(|n| epoch(n))
+                .map(|n| n.id.clone());
+            for node in &mut shard.nodes {
+                node.primary = primary.as_deref() == Some(node.id.as_str());
+            }
+        }
+        self.shards.retain(|s| !s.nodes.is_empty());
+    }
+
+    /// Slots covered, and the sum over slots of their owner's config epoch.
+    fn score(&self) -> (u32, u64) {
+        let epochs: HashMap<&str, u64> = self
+            .nodes
+            .iter()
+            .map(|l| (l.id.as_str(), l.config_epoch))
+            .collect();
+        let mut covered = 0u32;
+        let mut weight = 0u64;
+        for shard in &self.shards {
+            let slots: u32 = shard
+                .slots
+                .iter()
+                .map(|(a, b)| u32::from(*b).saturating_sub(u32::from(*a)) + 1)
+                .sum();
+            covered += slots;
+            // A shard without a live primary still covers its slots, at the epoch its
+            // (failed) owner had: a view that knows the promotion scores higher.
+            let owner_epoch = shard
+                .nodes
+                .iter()
+                .filter_map(|n| epochs.get(n.id.as_str()).copied())
+                .max()
+                .unwrap_or(0);
+            weight += u64::from(slots) * owner_epoch;
+        }
+        (covered, weight)
+    }
+}
+
+/// Picks the view to route by; see the module docs. `answers` in the order the nodes were
+/// asked (seeds first): ties go to the earlier answer. `None` when no answer covers a slot.
+pub fn choose(mut answers: Vec<Answer>) -> Option<Choice> {
+    for a in &mut answers {
+        a.normalize();
+    }
+    let mut refused = vec![];
+    let any_ok = answers.iter().any(|a| a.state_ok && a.score().0 > 0);
+    let mut usable: Vec<&Answer> = vec![];
+    for a in &answers {
+        if a.score().0 == 0 {
+            refused.push((a.addr, Refusal::NoSlots));
+        } else if any_ok && !a.state_ok {
+            refused.push((a.addr, Refusal::StateFail));
+        } else {
+            usable.push(a);
+        }
+    }
+    let best = usable
+        .iter()
+        .enumerate()
+        // The earliest of equals: max_by_key keeps the last, so order by (score, -index).
+        .max_by_key(|(i, a)| {
+            let (covered, weight) = a.score();
+            (covered, weight, std::cmp::Reverse(*i))
+        })
+        .map(|(_, a)| *a)?;
+    for a in &usable {
+        if !std::ptr::eq(*a, best) {
+            let agrees = a.score() == best.score();
+            if !agrees {
+                refused.push((a.addr, Refusal::Older));
+            }
+        }
+    }
+    let mut shards = best.shards.clone();
+    let listed: HashSet<String> = shards
+        .iter()
+        .flat_map(|s| s.nodes.iter().map(|n| n.id.clone()))
+        .collect();
+    // Nodes a majority of the usable answers still report, missing from the best one.
+    let mut votes: HashMap<&str, (usize, &ShardView, &NodeView)> = HashMap::new();
+    for a in &usable {
+        for s in &a.shards {
+            for n in &s.nodes {
+                votes.entry(n.id.as_str()).or_insert((0, s, n)).0 += 1;
+            }
+        }
+    }
+    let mut kept: Vec<String> = vec![];
+    let mut missing: Vec<_> = votes
+        .into_iter()
+        .filter(|(id, (count, _, _))| !listed.contains(*id) && count * 2 > usable.len())
+        .collect();
+    missing.sort_by(|a, b| a.0.cmp(b.0));
+    for (id, (_, shard, node)) in missing {
+        let mut node = node.clone();
+        // The best answer knows the shard's primary; a node it does not list is not it.
+        node.primary = false;
+        match shards.iter_mut().find(|s| s.key() == shard.key()) {
+            Some(s) => s.nodes.push(node),
+            None => shards.push(ShardView {
+                id: shard.id.clone(),
+                slots: vec![],
+                nodes: vec![node],
+            }),
+        }
+        kept.push(id.to_string());
+    }
+    Some(Choice {
+        shards,
+        chosen: best.addr,
+        refused,
+        kept,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A1: &str = "a100000000000000000000000000000000000000";
+    const A2: &str = "a200000000000000000000000000000000000000";
+    const B1: &str = "b100000000000000000000000000000000000000";
+    const B2: &str = "b200000000000000000000000000000000000000";
+    const FRESH: &str = "f000000000000000000000000000000000000000";
+
+    fn node(id: &str, ip: &str, primary: bool, health: &str) -> NodeView {
+        NodeView {
+            id: id.into(),
+            ip: ip.into(),
+            endpoint: Some(ip.into()),
+            hostname: None,
+            port: Some(6379),
+            tls_port: None,
+            primary,
+            health: health.into(),
+            replication_offset: None,
+        }
+    }
+
+    /// A `CLUSTER NODES` line: flags and config epoch are what the choice reads.
+    fn line(id: &str, flags: &str, epoch: u64) -> NodeLine {
+        NodeLine {
+            id: id.into(),
+            ip: String::new(),
+            port: 6379,
+            bus_port: 16379,
+            hostname: None,
+            flags: flags.split(',').map(String::from).collect(),
+            primary_id: None,
+            config_epoch: epoch,
+            connected: true,
+            slots: vec![],
+        }
+    }
+
+    fn shard(id: &str, slots: Vec<(u16, u16)>, nodes: Vec<NodeView>) -> ShardView {
+        ShardView {
+            id: Some(id.into()),
+            slots,
+            nodes,
+        }
+    }
+
+    fn addr(last: u8) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, last], 6379))
+    }
+
+    /// A healthy 2×1 cluster as node `me` sees it; B1 has epoch `b_epoch`.
+    fn healthy(me: &str, at: u8) -> Answer {
+        Answer {
+            addr: addr(at),
+            myself: me.into(),
+            state_ok: true,
+            shards: vec![
+                shard(
+                    "sa",
+                    vec![(0, 8191)],
+                    vec![
+                        node(A1, "127.0.0.1", true, "online"),
+                        node(A2, "127.0.0.2", false, "online"),
+                    ],
+                ),
+                shard(
+                    "sb",
+                    vec![(8192, 16383)],
+                    vec![
+                        node(B1, "127.0.0.3", true, "online"),
+                        node(B2, "127.0.0.4", false, "online"),
+                    ],
+                ),
+            ],
+            nodes: vec![
+                line(A1, "master", 1),
+                line(A2, "slave", 1),
+                line(B1, "master", 2),
+                line(B2, "slave", 2),
+            ],
+        }
+    }
+
+    /// What a node restarted with no `nodes.conf` says: one shard, itself, no slots, and no
+    /// ip of its own (nobody sent it a MEET).
+    fn restarted_empty(at: u8) -> Answer {
+        Answer {
+            addr: addr(at),
+            myself: FRESH.into(),
+            state_ok: false,
+            shards: vec![shard(
+                "fresh",
+                vec![],
+                vec![node(FRESH, "", true, "online")],
+            )],
+            nodes: vec![line(FRESH, "myself,master", 0)],
+        }
+    }
+
+    fn ids(shards: &[ShardView]) -> Vec<Vec<(String, bool)>> {
+        shards
+            .iter()
+            .map(|s| s.nodes.iter().map(|n| (n.id.clone(), n.primary)).collect())
+            .collect()
+    }
+
+    #[test]
+    fn a_node_restarted_empty_does_not_replace_the_cluster() {
+        // It is asked first (it is the seed) and answers at once.
+        let c = choose(vec![restarted_empty(1), healthy(B1, 3)]).unwrap();
+        assert_eq!(c.chosen, addr(3));
+        assert_eq!(c.refused, vec![(addr(1), Refusal::NoSlots)]);
+        assert_eq!(ids(&c.shards), ids(&healthy(B1, 3).shards));
+        // Alone it is no cluster at all.
+        assert!(choose(vec![restarted_empty(1)]).is_none());
+    }
+
+    #[test]
+    fn a_lone_node_that_never_heard_a_meet_is_routed_at_the_dialled_address() {
+        // A 1-shard, 0-replica cluster: `ip` is empty in its own CLUSTER SHARDS.
+        let mut lone = restarted_empty(9);
+        lone.state_ok = true;
+        lone.shards[0].slots = vec![(0, 16383)];
+        let c = choose(vec![lone]).unwrap();
+        let n = &c.shards[0].nodes[0];
+        assert_eq!(
+            (n.ip.as_str(), n.port, n.primary),
+            ("127.0.0.9", Some(6379), true)
+        );
+    }
+
+    #[test]
+    fn a_node_in_cluster_state_fail_loses_to_one_that_is_ok() {
+        // A node cut off from the others still lists every slot, at the same epochs.
+        let mut cut_off = healthy(A1, 1);
+        cut_off.state_ok = false;
+        cut_off.shards[1].nodes.truncate(1);
+        let c = choose(vec![cut_off, healthy(B1, 3)]).unwrap();
+        assert_eq!(c.chosen, addr(3));
+        assert_eq!(c.refused, vec![(addr(1), Refusal::StateFail)]);
+        // With nobody ok, the best of the failing ones is used: a table that still
+        // routes beats none.
+        let mut also = healthy(B1, 3);
+        also.state_ok = false;
+        let mut first = healthy(A1, 1);
+        first.state_ok = false;
+        assert_eq!(choose(vec![first, also]).unwrap().chosen, addr(1));
+    }
+
+    #[test]
+    fn the_view_with_the_newer_epochs_wins_and_a_failed_primary_is_not_primary() {
+        // B2 took over from B1 (epoch 5): its view lists B1 as a failed master beside it.
+        let mut new = healthy(B2, 4);
+        new.shards[1].nodes = vec![
+            node(B1, "127.0.0.3", true, "failed"),
+            node(B2, "127.0.0.4", true, "online"),
+        ];
+        new.nodes[2] = line(B1, "master,fail", 2);
+        new.nodes[3] = line(B2, "master", 5);
+        // A2 has not heard yet: B1 is still the primary at epoch 2.
+        let old = healthy(A2, 2);
+        let c = choose(vec![old, new]).unwrap();
+        assert_eq!(c.chosen, addr(4));
+        assert_eq!(c.refused, vec![(addr(2), Refusal::Older)]);
+        assert_eq!(
+            ids(&c.shards)[1],
+            vec![(B1.to_string(), false), (B2.to_string(), true)]
+        );
+        // Before the promotion, a failed primary leaves its shard without one.
+        let mut failing = healthy(A1, 1);
+        failing.shards[1].nodes[0].health = "failed".into();
+        failing.nodes[2] = line(B1, "master,fail", 2);
+        let c = choose(vec![failing]).unwrap();
+        assert!(c.shards[1].nodes.iter().all(|n| !n.primary));
+    }
+
+    #[test]
+    fn nodes_in_the_handshake_get_nothing_and_a_majority_keeps_a_node() {
+        let mut meeting = healthy(A1, 1);
+        meeting.shards.push(shard(
+            "new",
+            vec![],
+            vec![node(FRESH, "127.0.0.9", true, "online")],
+        ));
+        meeting.nodes.push(line(FRESH, "handshake", 0));
+        let c = choose(vec![meeting]).unwrap();
+        assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
+        // A2 is missing from the best-scored answer (it forgot it, or has not met it
+        // again), but the two others list it: it stays, as a replica.
+        let mut forgetful = healthy(B1, 3);
+        forgetful.shards[0].nodes.truncate(1);
+        forgetful.nodes[3].config_epoch = 3; // the best score
+        let c = choose(vec![healthy(A1, 1), forgetful, healthy(B2, 4)]).unwrap();
+        assert_eq!(c.chosen, addr(3));
+        assert_eq!(c.kept, vec![A2.to_string()]);
+        assert_eq!(
+            ids(&c.shards)[0],
+            vec![(A1.to_string(), true), (A2.to_string(), false)]
+        );
+    }
+}
