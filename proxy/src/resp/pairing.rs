@@ -231,6 +231,9 @@ pub struct Pairing {
     skip_next: bool,
     /// The transaction being queued cannot be followed past its EXEC.
     transaction_lost: Option<Lost>,
+    /// The status line being placed is not a monitor line, whatever `monitor` says (a long
+    /// one, told by its first bytes).
+    status_in_band: bool,
     /// Whether any command was seen (an error before that is Valkey's own refusal of the
     /// connection, such as `max number of clients reached`).
     requested: bool,
@@ -566,6 +569,15 @@ impl Pairing {
         self.place(ty, None, kind)
     }
 
+    /// Places a status line too long to hold, which streamed: `monitor_line` says whether
+    /// its first bytes are a monitor line's (out of band while monitoring).
+    pub fn on_long_status(&mut self, monitor_line: bool) -> Answer {
+        self.status_in_band = !monitor_line;
+        let answer = self.place(b'+', None, None);
+        self.status_in_band = false;
+        answer
+    }
+
     /// Places one complete reply frame. `frame` is given when it was captured.
     pub fn on_reply(&mut self, ty: u8, frame: Option<&Frame<'_>>) -> Answer {
         self.place(ty, frame, frame.and_then(pubsub_kind))
@@ -609,7 +621,7 @@ impl Pairing {
         frame: Option<&Frame<'_>>,
         kind: Option<PubSubKind>,
     ) -> Answer {
-        if self.monitor && ty == b'+' {
+        if self.monitor && ty == b'+' && !std::mem::take(&mut self.status_in_band) {
             let Some(Frame::Simple(line)) = frame else {
                 return Answer::OutOfBand;
             };
@@ -788,7 +800,9 @@ impl PubSubKind {
 
 /// Whether a simple string has the shape of a MONITOR line, which no reply to a command
 /// has: `<seconds>.<micros> [<db> <client>] ...` (`[<db> lua]` from a script).
-fn is_monitor_line(s: &[u8]) -> bool {
+/// Whether a status line is MONITOR's (`<secs>.<micros> [<db> <client>] "cmd" ...`), from
+/// its first bytes at least.
+pub fn is_monitor_line(s: &[u8]) -> bool {
     let digits = |b: &[u8]| !b.is_empty() && b.iter().all(u8::is_ascii_digit);
     let Some(dot) = s.iter().position(|&b| b == b'.') else {
         return false;

@@ -22,7 +22,7 @@ use tokio::sync::Notify;
 
 use super::{rewrite_to_bytes, AddressMap, Report};
 use crate::resp::frame::parse;
-use crate::resp::pairing::{Answer, Expect, Lost, Pairing, PubSubKind};
+use crate::resp::pairing::{is_monitor_line, Answer, Expect, Lost, Pairing, PubSubKind};
 use crate::resp::request::RequestScanner;
 use crate::resp::{Part, RespError, Scan, Scanner};
 
@@ -191,6 +191,9 @@ pub struct ReplySide {
     placed: bool,
     /// The pairing was lost: the error line went out, and nothing more does.
     lost: Option<Lost>,
+    /// A status line too long to hold streams: whether its first bytes are a monitor
+    /// line's.
+    long_status: Option<bool>,
 }
 
 impl ReplySide {
@@ -204,6 +207,7 @@ impl ReplySide {
             element: 0,
             placed: false,
             lost: None,
+            long_status: None,
         }
     }
 
@@ -272,7 +276,7 @@ impl ReplySide {
                 .as_ref()
                 .is_some_and(|c| c.buf.len() + (end - pending) > c.cap);
             if held_past_cap {
-                self.past_cap(&pairing, out)?;
+                self.past_cap(&pairing, &input[pending..end], out)?;
             }
             if let (Some(c), Part::Incomplete) = (&mut self.capture, part) {
                 c.buf.extend_from_slice(&input[pending..end]);
@@ -386,7 +390,12 @@ impl ReplySide {
     }
 
     /// The piece being captured outgrew its cap.
-    fn past_cap(&mut self, pairing: &Pairing, out: &mut Vec<Segment>) -> Result<(), RespError> {
+    fn past_cap(
+        &mut self,
+        pairing: &Pairing,
+        more: &[u8],
+        out: &mut Vec<Segment>,
+    ) -> Result<(), RespError> {
         let head = matches!(self.mode, Mode::PubSub { .. }) && self.element == 0;
         let whole = head && self.held_whole(pairing);
         let Some(c) = &mut self.capture else {
@@ -394,6 +403,13 @@ impl ReplySide {
         };
         if c.required {
             return Err(RespError::FrameTooLarge(c.cap));
+        }
+        if self.ty == b'+' && matches!(self.mode, Mode::Whole) {
+            // A long status line: while monitoring, its first bytes say whether it is a
+            // monitor line (a command with long arguments) or a reply in band.
+            let mut line = c.buf.clone();
+            line.extend_from_slice(more);
+            self.long_status = Some(is_monitor_line(line.get(1..).unwrap_or_default()));
         }
         if whole {
             // Its first element is too long to name a pub/sub frame: a reply, held whole.
@@ -580,9 +596,14 @@ impl ReplySide {
                 let kind = first.and_then(|name| PubSubKind::of(&name, third.as_ref()));
                 pairing.on_classified_reply(self.ty, kind);
             }
-            Mode::Stream | Mode::Whole => {
-                pairing.on_reply(self.ty, None);
-            }
+            Mode::Stream | Mode::Whole => match self.long_status.take() {
+                Some(monitor_line) => {
+                    pairing.on_long_status(monitor_line);
+                }
+                None => {
+                    pairing.on_reply(self.ty, None);
+                }
+            },
         }
     }
 
@@ -882,7 +903,12 @@ mod tests {
                 // The error answers EVAL (sent while monitoring), the long status is a
                 // monitor line.
                 b"MONITOR\r\nEVAL x 0\r\n",
-                [&b"+OK\r\n"[..], &line(b'+'), &line(b'-')].concat(),
+                [
+                    &b"+OK\r\n+1733000000.123456 [0 127.0.0.1:5000] \"SET\" \"k\" \""[..],
+                    &line(b'x')[1..],
+                    &line(b'-'),
+                ]
+                .concat(),
             ),
         ] {
             for piece in [1000, reply.len()] {
@@ -1034,5 +1060,37 @@ mod tests {
         // A MOVED with a slot out of range is not a redirect.
         let err = b"-MOVED 99999 10.0.0.1:6379\r\n";
         assert_eq!(through(b"GET k\r\n", err).0, err);
+    }
+
+    #[test]
+    fn long_status_lines_while_monitoring_are_told_apart_by_their_first_bytes() {
+        let long = |head: &str| {
+            let mut l = format!("+{head}").into_bytes();
+            l.extend_from_slice(&vec![b'x'; 5000]);
+            l.extend_from_slice(b"\r\n");
+            l
+        };
+        // A monitor line for a SET with a long value, then EVAL's long status, then the
+        // CLUSTER SLOTS sent after EVAL: rewritten, because EVAL's reply was placed in band.
+        let replies = [
+            &b"+OK\r\n"[..],
+            &long("1733000000.123456 [0 127.0.0.1:5000] \"SET\" \"k\" \""),
+            &long("not a monitor line "),
+            SLOTS,
+        ]
+        .concat();
+        for piece in [7, 100, 2000, replies.len()] {
+            let (out, report, _) = through_in_pieces(
+                b"MONITOR\r\nEVAL x 0\r\nCLUSTER SLOTS\r\n",
+                &replies,
+                small(),
+                piece,
+            )
+            .unwrap();
+            let text = String::from_utf8_lossy(&out);
+            assert!(!text.contains("10.0.0.1"), "piece {piece}: {text}");
+            assert!(text.contains("127.0.77.70"), "piece {piece}");
+            assert_eq!(report.kinds, ["cluster_slots"], "piece {piece}");
+        }
     }
 }
