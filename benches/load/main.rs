@@ -64,6 +64,10 @@ pub struct Settings {
     /// Why fewer idle connections than asked, if so.
     pub idle_note: Option<String>,
     pub quick: bool,
+    /// Only these data planes (`--peers`), for a focused run; all when `None`.
+    pub peers: Option<Vec<Kind>>,
+    /// Only the workloads of these names (`--workloads`, any case); all when `None`.
+    pub only: Option<Vec<String>>,
 }
 
 impl Settings {
@@ -87,6 +91,8 @@ impl Settings {
                 backend: None,
                 idle_note: None,
                 quick,
+                peers: None,
+                only: None,
             }
         } else {
             Settings {
@@ -106,6 +112,8 @@ impl Settings {
                 backend: None,
                 idle_note: None,
                 quick,
+                peers: None,
+                only: None,
             }
         };
         let mut it = args.iter();
@@ -123,9 +131,26 @@ impl Settings {
                         .map(|t| t.parse().context("--threads: e.g. 1,2"))
                         .collect::<Result<_>>()?
                 }
+                "--peers" => {
+                    s.peers = Some(
+                        value()?
+                            .split(',')
+                            .map(Kind::parse)
+                            .collect::<Result<_>>()?,
+                    )
+                }
+                "--workloads" => {
+                    s.only = Some(
+                        value()?
+                            .split(',')
+                            .map(|w| w.trim().to_lowercase())
+                            .collect(),
+                    )
+                }
                 other => bail!(
                     "unknown argument {other:?}; use --quick, --rounds N, --threads 1,2, \
-                     --idle N, --out DIR, --note TEXT"
+                     --idle N, --out DIR, --note TEXT, --peers direct,pass,rewrite,haproxy,\
+                     nginx,traefik, --workloads \"GET P1,idle\""
                 ),
             }
         }
@@ -177,7 +202,7 @@ fn workloads(s: &Settings) -> Vec<Workload> {
         cluster,
     };
     // SET before GET of the same size: every data plane's GET then reads that value.
-    vec![
+    let all = vec![
         bench("SET P1", "set", s.requests_p1, 1, 3, false),
         bench("GET P1", "get", s.requests_p1, 1, 3, false),
         bench("SET P16", "set", s.requests_p16, 16, 3, false),
@@ -192,7 +217,14 @@ fn workloads(s: &Settings) -> Vec<Workload> {
         bench("cluster SET", "set", s.requests_cluster, 1, 3, true),
         bench("cluster GET", "get", s.requests_cluster, 1, 3, true),
         own("cluster MOVED GET", Load::Moved, true),
-    ]
+    ];
+    match &s.only {
+        None => all,
+        Some(only) => all
+            .into_iter()
+            .filter(|w| only.contains(&w.name.to_lowercase()))
+            .collect(),
+    }
 }
 
 /// The key of the one-client and churn workloads, set once to a 3-byte value.
@@ -362,30 +394,37 @@ fn main() -> Result<()> {
     }
     let cluster_nodes: Vec<SocketAddr> = cluster.nodes().iter().map(|n| n.addr()).collect();
 
-    let mut standalone = vec![Peer::direct(backend, vec![])];
-    let mut clustered = vec![Peer::direct(cluster_nodes[0], cluster_nodes.clone())];
+    let wanted = |k: Kind| settings.peers.as_ref().is_none_or(|p| p.contains(&k));
+    let mut standalone = Vec::new();
+    let mut clustered = Vec::new();
+    if wanted(Kind::Direct) {
+        standalone.push(Peer::direct(backend, vec![]));
+        clustered.push(Peer::direct(cluster_nodes[0], cluster_nodes.clone()));
+    }
     for &t in &settings.threads {
-        standalone.push(Peer::shardgate(
-            &dir,
-            RouteSpec::Standalone(backend),
-            false,
-            t,
-        )?);
-        standalone.push(Peer::shardgate(
-            &dir,
-            RouteSpec::Standalone(backend),
-            true,
-            t,
-        )?);
-        standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200)?);
-        standalone.push(Peer::nginx(&dir, backend, t, settings.idle + 50)?);
-        standalone.push(Peer::traefik(&dir, backend, t)?);
-        clustered.push(Peer::shardgate(
-            &dir,
-            RouteSpec::Cluster(&cluster),
-            true,
-            t,
-        )?);
+        if wanted(Kind::Pass) {
+            let spec = RouteSpec::Standalone(backend);
+            standalone.push(Peer::shardgate(&dir, spec, false, t)?);
+        }
+        if wanted(Kind::Rewrite) {
+            let spec = RouteSpec::Standalone(backend);
+            standalone.push(Peer::shardgate(&dir, spec, true, t)?);
+            clustered.push(Peer::shardgate(
+                &dir,
+                RouteSpec::Cluster(&cluster),
+                true,
+                t,
+            )?);
+        }
+        if wanted(Kind::Haproxy) {
+            standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200)?);
+        }
+        if wanted(Kind::Nginx) {
+            standalone.push(Peer::nginx(&dir, backend, t, settings.idle + 50)?);
+        }
+        if wanted(Kind::Traefik) {
+            standalone.push(Peer::traefik(&dir, backend, t)?);
+        }
     }
     eprintln!(
         "load: {} data planes up in {:.1}s",

@@ -34,6 +34,21 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// A data plane by its `--peers` key.
+    pub fn parse(key: &str) -> anyhow::Result<Kind> {
+        Ok(match key.trim() {
+            "direct" => Kind::Direct,
+            "pass" => Kind::Pass,
+            "rewrite" => Kind::Rewrite,
+            "haproxy" => Kind::Haproxy,
+            "nginx" => Kind::Nginx,
+            "traefik" => Kind::Traefik,
+            other => anyhow::bail!(
+                "unknown data plane {other:?}: direct, pass, rewrite, haproxy, nginx or traefik"
+            ),
+        })
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             Kind::Direct => "Valkey direct",

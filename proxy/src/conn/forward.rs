@@ -9,10 +9,12 @@
 //! rewriting connection's request side notes the commands and its reply side rebuilds the
 //! topology replies (see [`crate::rewrite::stream`]).
 //!
-//! Each direction has one fixed buffer and writes what it read before it reads again, so a
-//! slow reader on one side stops reads on the other (back-pressure) and memory per
-//! connection is bounded by two buffers. Half-closes are forwarded: a client that shuts its
-//! write side still gets the replies in flight.
+//! Each direction writes what it read before it reads again, so a slow reader on one side
+//! stops reads on the other (back-pressure) and memory per connection is bounded by two
+//! buffers. A plain TCP side holds its buffer only from the read to the end of the write
+//! (see [`super::buffers`]): an idle connection holds its sockets and a small state.
+//! Half-closes are forwarded: a client that shuts its write side still gets the replies in
+//! flight.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -21,13 +23,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::buffers::{Buffer, Source};
 use crate::dial::{DialError, Dialer};
-use crate::metrics::{BytesLabels, KindLabels, Metrics, PortLabels, ReasonLabels, RewriteLabels};
+use crate::metrics::{
+    BytesLabels, KindLabels, Metrics, PerThreadCounter, PortLabels, ReasonLabels, RewriteLabels,
+};
 use crate::model::{Backend, Route};
 use crate::resp::pairing::Lost;
 use crate::resp::RespError;
@@ -130,6 +136,12 @@ impl Closed {
     }
 }
 
+/// A connection counted as open: its listener port and its `connections_active` gauge.
+pub struct Open {
+    port: u16,
+    active: Gauge,
+}
+
 /// Which address map a rewriting connection hands out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Addresses {
@@ -160,29 +172,33 @@ impl Forwarder {
     /// accept time. Counts and logs the outcome.
     pub async fn serve(&self, client: TcpStream, port: u16, route: Arc<Route>) {
         let peer = client.peer_addr().ok();
-        self.account(
-            port,
-            peer,
-            &route.backend,
-            self.forward(client, port, &route),
-        )
-        .await;
+        let open = self.opened(port);
+        // Awaited in place, not handed to another async fn: a future moved into another
+        // is stored twice, and a connection's state is what idle connections cost.
+        let outcome = self.forward(client, port, &route).await;
+        self.closed(open, peer, &route.backend, outcome);
     }
 
-    /// Runs one connection's forwarding (`conn`) on listener `port`, counting it as
-    /// accepted and active while it runs, then counts and logs how it ended.
-    pub async fn account(
-        &self,
-        port: u16,
-        peer: Option<SocketAddr>,
-        backend: &Backend,
-        conn: impl Future<Output = Result<Closed, ForwardError>>,
-    ) {
+    /// Counts a connection on listener `port` as accepted and active; hand the result to
+    /// [`Forwarder::closed`] when it ends.
+    pub fn opened(&self, port: u16) -> Open {
         let m = &self.metrics.connections;
         m.accepted.get_or_create(&PortLabels { port }).inc();
         let active = m.active.get_or_create(&PortLabels { port }).clone();
         active.inc();
-        let outcome = conn.await;
+        Open { port, active }
+    }
+
+    /// Counts and logs how a connection ended.
+    pub fn closed(
+        &self,
+        open: Open,
+        peer: Option<SocketAddr>,
+        backend: &Backend,
+        outcome: Result<Closed, ForwardError>,
+    ) {
+        let Open { port, active } = open;
+        let m = &self.metrics.connections;
         active.dec();
         let backend_error = match &outcome {
             Err(ForwardError::Dial { source, .. }) => Some(source.label()),
@@ -235,14 +251,14 @@ impl Forwarder {
         port: u16,
         route: &Route,
     ) -> Result<Closed, ForwardError> {
-        let mut backend =
-            self.dialer
-                .tcp(&route.backend)
-                .await
-                .map_err(|source| ForwardError::Dial {
-                    backend: route.backend.to_string(),
-                    source,
-                })?;
+        // Boxed: resolving and dialing take a large future that a connection needs only
+        // until it is connected.
+        let mut backend = Box::pin(self.dialer.tcp(&route.backend))
+            .await
+            .map_err(|source| ForwardError::Dial {
+                backend: route.backend.to_string(),
+                source,
+            })?;
         crate::dial::tune(&client);
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
@@ -263,10 +279,10 @@ impl Forwarder {
         bw: BW,
     ) -> Result<Closed, ForwardError>
     where
-        CR: AsyncRead + Unpin,
-        CW: AsyncWrite + Unpin,
-        BR: AsyncRead + Unpin,
-        BW: AsyncWrite + Unpin,
+        CR: Source,
+        CW: AsyncWrite + Unpin + Send,
+        BR: Source,
+        BW: AsyncWrite + Unpin + Send,
     {
         let m = &self.metrics.connections;
         let up = m
@@ -284,42 +300,10 @@ impl Forwarder {
             })
             .clone();
         let clock = Activity::new();
-        let (c2b, b2c) = (Side::Client, Side::Backend);
-        let size = self.buffer_size;
-        let copy = async {
-            if let Some(addresses) = rewrite {
-                let shared = Shared::new(self.rewrite_info);
-                let requests = Requests {
-                    side: RequestSide::new(self.limits),
-                    shared: &shared,
-                    rejected: (self.metrics.rewrite.protocol_errors)
-                        .get_or_create(&ReasonLabels { reason: "client" })
-                        .clone(),
-                    ended: false,
-                };
-                let replies = Replies {
-                    side: ReplySide::new(self.limits),
-                    shared: &shared,
-                    forwarder: self,
-                    addresses,
-                    segments: Vec::new(),
-                    out: Vec::new(),
-                };
-                tokio::try_join!(
-                    copy(cr, bw, size, requests, &up, &clock, c2b),
-                    copy(br, cw, size, replies, &down, &clock, b2c),
-                )
-                .map(|_| ())
-            } else {
-                tokio::try_join!(
-                    copy(cr, bw, size, Plain, &up, &clock, c2b),
-                    copy(br, cw, size, Plain, &down, &clock, b2c),
-                )
-                .map(|_| ())
-            }
-        };
+        // The copy is built inside select!: a future held in a local first would be stored
+        // twice in this one.
         tokio::select! {
-            r = copy => r.map(|_| Closed::Eof),
+            r = self.both(rewrite, cr, cw, br, bw, &up, &down, &clock) => r.map(|()| Closed::Eof),
             _ = idle(&clock, self.idle_timeout) => Ok(Closed::Idle),
             _ = self.hard_stop.cancelled() => Ok(Closed::Drained),
         }
@@ -327,9 +311,107 @@ impl Forwarder {
 }
 
 impl Forwarder {
-    /// The address map a rewriting connection hands out now (the latest table's).
-    fn addresses(&self, addresses: Addresses) -> Arc<AddressMap> {
-        let snapshot = self.routes.borrow();
+    /// Both copy loops, plain or rewriting.
+    #[allow(clippy::too_many_arguments)]
+    async fn both<CR, CW, BR, BW>(
+        &self,
+        rewrite: Option<Addresses>,
+        cr: CR,
+        cw: CW,
+        br: BR,
+        bw: BW,
+        up: &PerThreadCounter,
+        down: &PerThreadCounter,
+        clock: &Activity,
+    ) -> Result<(), ForwardError>
+    where
+        CR: Source,
+        CW: AsyncWrite + Unpin + Send,
+        BR: Source,
+        BW: AsyncWrite + Unpin + Send,
+    {
+        let size = self.buffer_size;
+        match rewrite {
+            // Boxed: the rewriting state is large, and a plain connection's future should
+            // not be sized for it (idle connections are counted in thousands).
+            Some(addresses) => {
+                Box::pin(self.rewriting(addresses, cr, cw, br, bw, up, down, clock)).await
+            }
+            None => tokio::try_join!(
+                copy(cr, bw, size, Plain, up, clock, Side::Client),
+                copy(br, cw, size, Plain, down, clock, Side::Backend),
+            )
+            .map(|_| ()),
+        }
+    }
+
+    /// Both copy loops of a rewriting connection: its requests noted, its replies'
+    /// topology rewritten to `addresses`.
+    #[allow(clippy::too_many_arguments)]
+    async fn rewriting<CR, CW, BR, BW>(
+        &self,
+        addresses: Addresses,
+        cr: CR,
+        cw: CW,
+        br: BR,
+        bw: BW,
+        up: &PerThreadCounter,
+        down: &PerThreadCounter,
+        clock: &Activity,
+    ) -> Result<(), ForwardError>
+    where
+        CR: Source,
+        CW: AsyncWrite + Unpin + Send,
+        BR: Source,
+        BW: AsyncWrite + Unpin + Send,
+    {
+        let shared = Shared::new(self.rewrite_info);
+        let rejected = (self.metrics.rewrite.protocol_errors)
+            .get_or_create(&ReasonLabels { reason: "client" })
+            .clone();
+        let size = self.buffer_size;
+        let mut routes = self.routes.clone();
+        // The observers are built in the calls: as locals they would be stored twice.
+        tokio::try_join!(
+            copy(
+                cr,
+                bw,
+                size,
+                Requests {
+                    side: RequestSide::new(self.limits),
+                    shared: &shared,
+                    rejected,
+                    ended: false,
+                },
+                up,
+                clock,
+                Side::Client
+            ),
+            copy(
+                br,
+                cw,
+                size,
+                Replies {
+                    side: ReplySide::new(self.limits),
+                    shared: &shared,
+                    forwarder: self,
+                    map: Forwarder::addresses(&mut routes, addresses),
+                    routes,
+                    addresses,
+                    out: Vec::new(),
+                },
+                down,
+                clock,
+                Side::Backend
+            ),
+        )
+        .map(|_| ())
+    }
+
+    /// The address map a rewriting connection hands out now (the latest table's), marked
+    /// seen in `routes`.
+    fn addresses(routes: &mut RouteRx, addresses: Addresses) -> Arc<AddressMap> {
+        let snapshot = routes.borrow_and_update();
         match addresses {
             Addresses::Ports => snapshot.addresses.clone(),
             Addresses::Sni => snapshot.tls_addresses.clone(),
@@ -381,6 +463,9 @@ trait Observer: Send {
     fn ended(&self) -> bool {
         false
     }
+
+    /// The bytes last observed have been written.
+    fn written(&mut self) {}
 
     /// Whether the pairing was lost with the last bytes observed (which end with an error
     /// line): the connection is closed once they are written.
@@ -441,11 +526,20 @@ struct Replies<'s> {
     side: ReplySide,
     shared: &'s Shared,
     forwarder: &'s Forwarder,
+    /// The table's address map, taken again when `routes` has changed: a lock on the
+    /// shared table per read would be a cache line every thread writes.
+    map: Arc<AddressMap>,
+    routes: RouteRx,
     addresses: Addresses,
-    segments: Vec<Segment>,
     /// Where several segments are gathered, so that one read makes one write (a copy is
-    /// cheaper than a syscall per rewritten reply).
+    /// cheaper than a syscall per rewritten reply); given back once written.
     out: Vec<u8>,
+}
+
+thread_local! {
+    /// The segments of the read being observed: per thread rather than per connection, as
+    /// they never outlive one `observe`.
+    static SEGMENTS: std::cell::Cell<Vec<Segment>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 impl Observer for Replies<'_> {
@@ -454,23 +548,45 @@ impl Observer for Replies<'_> {
     }
 
     fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {
-        let map = self.forwarder.addresses(self.addresses);
+        // A closed channel (shutdown) keeps the map in hand.
+        if self.routes.has_changed().unwrap_or(false) {
+            self.map = Forwarder::addresses(&mut self.routes, self.addresses);
+        }
+        let map = &self.map;
         let mut report = Report::default();
-        self.segments.clear();
-        self.side
-            .process(input, self.shared, &map, &mut self.segments, &mut report)?;
+        let mut segments = SEGMENTS.take();
+        segments.clear();
+        let processed = self
+            .side
+            .process(input, self.shared, map, &mut segments, &mut report);
         self.forwarder.record(&report);
-        Ok(match self.segments.as_slice() {
-            [] => &[],
-            [one] => segment(input, one),
-            many => {
+        // What goes out, told before the segments go back to their thread.
+        let one = match (&processed, segments.as_slice()) {
+            (Err(_), _) | (_, []) => Some(0..0),
+            (_, [Segment::Input(r)]) => Some(r.clone()),
+            (_, many) => {
                 self.out.clear();
                 for seg in many {
                     self.out.extend_from_slice(segment(input, seg));
                 }
-                &self.out
+                None
             }
+        };
+        segments.clear();
+        SEGMENTS.set(segments);
+        processed?;
+        Ok(match one {
+            Some(range) => &input[range],
+            None => &self.out,
         })
+    }
+
+    fn written(&mut self) {
+        // A rewritten topology reply can be large (a NODES reply of a big cluster): not
+        // kept for the connection's life.
+        if self.out.capacity() > 0 {
+            self.out = Vec::new();
+        }
     }
 }
 
@@ -490,64 +606,79 @@ fn segment<'a>(buf: &'a [u8], seg: &'a Segment) -> &'a [u8] {
 
 /// The copy loop of one direction: reads from `from` (the `side` of the connection), lets
 /// `observer` say what goes out, writes it to `to`, until EOF; then half-closes `to`.
-async fn copy<R, W, O>(
+///
+/// A plain fn returning an `async move` block rather than an `async fn`: an async fn's
+/// arguments are stored twice in its future (as arguments, then as the body's bindings),
+/// and this future is most of what an idle connection costs.
+#[allow(clippy::manual_async_fn)]
+fn copy<'a, R, W, O>(
     mut from: R,
     mut to: W,
     buffer_size: usize,
     mut observer: O,
-    bytes: &Counter,
-    clock: &Activity,
+    bytes: &'a PerThreadCounter,
+    clock: &'a Activity,
     side: Side,
-) -> Result<(), ForwardError>
+) -> impl Future<Output = Result<(), ForwardError>> + Send + 'a
 where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-    O: Observer,
+    R: Source + 'a,
+    W: AsyncWrite + Unpin + Send + 'a,
+    O: Observer + 'a,
 {
-    let other = match side {
-        Side::Client => Side::Backend,
-        Side::Backend => Side::Client,
-    };
-    let mut buf = vec![0u8; buffer_size];
-    loop {
-        observer.ready().await;
-        let n = eof_ok(from.read(&mut buf).await)
-            .map_err(|source| ForwardError::Io { side, source })?;
-        if n == 0 {
-            // The peer may already be gone; that is not this connection's error.
-            let _ = to.shutdown().await;
-            return Ok(());
-        }
-        let out = observer.observe(&buf[..n]).map_err(|source| {
-            if source.is_limit() {
-                ForwardError::Limit { side, source }
-            } else {
-                ForwardError::Protocol { side, source }
+    async move {
+        let other = match side {
+            Side::Client => Side::Backend,
+            Side::Backend => Side::Client,
+        };
+        let mut slot: Option<Buffer> = None;
+        loop {
+            observer.ready().await;
+            let n = eof_ok(from.read_into(&mut slot, buffer_size).await)
+                .map_err(|source| ForwardError::Io { side, source })?;
+            if n == 0 {
+                // The peer may already be gone; that is not this connection's error.
+                let _ = to.shutdown().await;
+                return Ok(());
             }
-        })?;
-        if !out.is_empty() {
-            if let Err(source) = send(&mut to, out).await {
-                if side == Side::Client {
-                    // The backend closed its end (QUIT, a protocol error): what it sent
-                    // before is still forwarded by the other direction, as a direct client
-                    // would still read it.
-                    return Ok(());
+            let Some(buf) = &slot else {
+                // A source reports bytes only into its buffer; nothing to forward otherwise.
+                continue;
+            };
+            let out = observer.observe(&buf[..n]).map_err(|source| {
+                if source.is_limit() {
+                    ForwardError::Limit { side, source }
+                } else {
+                    ForwardError::Protocol { side, source }
                 }
-                return Err(ForwardError::Io {
-                    side: other,
-                    source,
-                });
+            })?;
+            if !out.is_empty() {
+                if let Err(source) = send(&mut to, out).await {
+                    if side == Side::Client {
+                        // The backend closed its end (QUIT, a protocol error): what it sent
+                        // before is still forwarded by the other direction, as a direct client
+                        // would still read it.
+                        return Ok(());
+                    }
+                    return Err(ForwardError::Io {
+                        side: other,
+                        source,
+                    });
+                }
             }
-        }
-        bytes.inc_by(out.len() as u64);
-        clock.touch();
-        if let Some(lost) = observer.lost() {
-            let _ = to.shutdown().await;
-            return Err(ForwardError::Lost(lost));
-        }
-        if observer.ended() {
-            let _ = to.shutdown().await;
-            return Ok(());
+            bytes.inc_by(out.len() as u64);
+            observer.written();
+            clock.touch();
+            if R::RELEASES {
+                slot = None;
+            }
+            if let Some(lost) = observer.lost() {
+                let _ = to.shutdown().await;
+                return Err(ForwardError::Lost(lost));
+            }
+            if observer.ended() {
+                let _ = to.shutdown().await;
+                return Ok(());
+            }
         }
     }
 }

@@ -22,6 +22,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
+use super::buffers::Held;
 use super::forward::{Addresses, Closed, ForwardError, Forwarder, Side};
 use super::listener::{Handshake, MAX_CLIENTS_REPLY};
 use crate::dial::BackendTls;
@@ -126,10 +127,9 @@ impl TlsServer {
                     return;
                 };
                 let backend = first.tls_backend().clone();
-                let conn = self.passthrough(tcp, hello.prefix, &selected);
-                self.forwarder
-                    .account(self.port, peer, &backend, conn)
-                    .await;
+                let open = self.forwarder.opened(self.port);
+                let outcome = self.passthrough(tcp, hello.prefix, &selected).await;
+                self.forwarder.closed(open, peer, &backend, outcome);
             }
             TlsMode::Terminate { config, backend } => {
                 let acceptor = TlsAcceptor::from(config.borrow().clone());
@@ -173,8 +173,9 @@ impl TlsServer {
                     Some(_) => first.tls_backend().clone(),
                     None => first.backend.clone(),
                 };
-                let conn = self.terminate(client, backend.as_ref(), &selected);
-                self.forwarder.account(self.port, peer, &shown, conn).await;
+                let open = self.forwarder.opened(self.port);
+                let outcome = self.terminate(client, backend.as_ref(), &selected).await;
+                self.forwarder.closed(open, peer, &shown, outcome);
             }
         }
     }
@@ -274,6 +275,7 @@ impl TlsServer {
         selected: &Selected,
     ) -> Result<Closed, ForwardError> {
         let (cr, cw) = tokio::io::split(client);
+        let cr = Held(cr);
         match backend_tls {
             None => {
                 let (mut backend, route) = self.dial(selected, |r| &r.backend).await?;
@@ -297,6 +299,7 @@ impl TlsServer {
                 let backend = dialer.tls(tcp, tls, name, at).await.map_err(dial_error)?;
                 let rewrite = route.rewrite.then_some(Addresses::Sni);
                 let (br, bw) = tokio::io::split(backend);
+                let br = Held(br);
                 self.forwarder
                     .relay(self.port, rewrite, cr, cw, br, bw)
                     .await

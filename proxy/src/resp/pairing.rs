@@ -79,6 +79,9 @@ pub enum Lost {
     /// CLIENT REPLY or MULTI on a RESP2 subscribed connection: Valkey refuses them there,
     /// which the request side cannot know in time.
     SubscribedResp2,
+    /// EXEC on a monitoring connection: Valkey feeds the monitor line of each command it
+    /// runs into the connection's output amid EXEC's array, which is then no RESP array.
+    TransactionWhileMonitoring,
 }
 
 impl Lost {
@@ -90,6 +93,7 @@ impl Lost {
             Lost::HelloInTransaction => "HELLO with options inside MULTI",
             Lost::SwitchWithoutReply => "HELLO or MONITOR sent with CLIENT REPLY OFF or SKIP",
             Lost::SubscribedResp2 => "CLIENT REPLY or MULTI on a subscribed RESP2 connection",
+            Lost::TransactionWhileMonitoring => "EXEC of a transaction on a monitoring connection",
         }
     }
 }
@@ -417,6 +421,9 @@ impl Pairing {
                     self.in_multi = false;
                     let tx = std::mem::take(&mut self.transaction);
                     let overflow = std::mem::take(&mut self.transaction_overflow);
+                    if self.monitoring_when_due() && (!tx.is_empty() || overflow) {
+                        self.transaction_lost = Some(Lost::TransactionWhileMonitoring);
+                    }
                     if let Some(lost) = self.transaction_lost.take() {
                         if cmd.argc == 1 {
                             self.transaction_protocol = None;
@@ -504,6 +511,18 @@ impl Pairing {
                 Expect::Reset | Expect::SkippedReset => false,
                 Expect::PubSub { op, .. } if !op.unsubscribes() => true,
                 _ => subscribed,
+            })
+    }
+
+    /// Whether the connection will be monitoring when the commands still due have run: a
+    /// MONITOR turns it on, a RESET off (only QUIT ends it otherwise).
+    fn monitoring_when_due(&self) -> bool {
+        self.queue
+            .iter()
+            .fold(self.monitor, |on, (e, _)| match e {
+                Expect::Monitor => true,
+                Expect::Reset | Expect::SkippedReset => false,
+                _ => on,
             })
     }
 
@@ -1538,6 +1557,36 @@ mod tests {
         ] {
             assert_eq!(lost_after(requests, &[]), [Some(SwitchWithoutReply)]);
         }
+        // EXEC on a monitoring connection: Valkey 9.1.2 puts each command's monitor line
+        // amid EXEC's array (captured by hand: `MONITOR`, `MULTI`, `PING x`, `EXEC`), so it
+        // is lost there, whether MONITOR's reply came before EXEC was sent or not.
+        let got = lost_after(
+            b"MONITOR\r\nMULTI\r\nPING x\r\nEXEC\r\n",
+            &[
+                b"+OK\r\n",
+                b"+OK\r\n",
+                b"+1796095084.986223 [0 127.0.0.1:41660] \"MULTI\"\r\n",
+                b"+QUEUED\r\n",
+            ],
+        );
+        assert_eq!(got, [None, None, None, None, Some(TransactionWhileMonitoring)]);
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        s.feed(b"MONITOR\r\n", |c| p.on_request(c)).unwrap();
+        p.on_reply(b'+', None);
+        s.feed(b"MULTI\r\nPING x\r\nEXEC\r\n", |c| p.on_request(c))
+            .unwrap();
+        for r in [&b"+OK\r\n"[..], b"+QUEUED\r\n"] {
+            assert!(p.capture(b'+'), "a status line is told apart by its shape");
+            p.on_reply(b'+', Some(&parse(r).unwrap().0));
+        }
+        assert_eq!(p.lost(), Some(TransactionWhileMonitoring));
+        // A RESET due before EXEC ends monitoring first.
+        let got = lost_after(b"MONITOR\r\nRESET\r\nMULTI\r\nPING x\r\nEXEC\r\n", &[]);
+        assert_eq!(got, [None]);
+        // An empty transaction runs nothing to feed: followed as usual.
+        let got = lost_after(b"MONITOR\r\nMULTI\r\nEXEC\r\n", &[b"+OK\r\n", b"+OK\r\n"]);
+        assert!(got.iter().all(Option::is_none), "{got:?}");
         // CLIENT REPLY or MULTI once a RESP2 connection is (or may be) subscribed.
         let got = lost_after(
             b"SUBSCRIBE c\r\nCLIENT REPLY SKIP\r\nGET k\r\n",

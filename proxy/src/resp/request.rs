@@ -9,18 +9,64 @@ pub const KEPT_ARGS: usize = 3;
 /// Arguments longer than this are not kept (no command name or subcommand is).
 pub const KEPT_LEN: usize = 32;
 
+/// One kept argument, lowercased, inline: a connection's command names cost no allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kept {
+    len: u8,
+    bytes: [u8; KEPT_LEN],
+    /// Longer than [`KEPT_LEN`]: no name we care about, so it matches nothing.
+    too_long: bool,
+}
+
+impl Default for Kept {
+    fn default() -> Self {
+        Kept {
+            len: 0,
+            bytes: [0; KEPT_LEN],
+            too_long: false,
+        }
+    }
+}
+
+impl Kept {
+    fn as_slice(&self) -> &[u8] {
+        if self.too_long {
+            // No command name or subcommand contains NUL.
+            b"\0"
+        } else {
+            &self.bytes[..usize::from(self.len)]
+        }
+    }
+
+    fn extend(&mut self, more: &[u8]) {
+        let len = usize::from(self.len);
+        match self.bytes.get_mut(len..len + more.len()) {
+            Some(to) if !self.too_long => {
+                for (t, b) in to.iter_mut().zip(more) {
+                    *t = b.to_ascii_lowercase();
+                }
+                // Fits in a u8: the sum is at most KEPT_LEN.
+                self.len = (len + more.len()) as u8;
+            }
+            _ => self.too_long = true,
+        }
+    }
+}
+
 /// A command's name and first arguments, lowercased.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Command {
-    args: [Vec<u8>; KEPT_ARGS],
+    args: [Kept; KEPT_ARGS],
     /// The number of arguments, the name included.
     pub argc: u64,
 }
 
+const _: () = assert!(KEPT_LEN <= u8::MAX as usize);
+
 impl Command {
-    /// Argument `i` (0 is the name), lowercased; empty if absent or too long to keep.
+    /// Argument `i` (0 is the name), lowercased; empty if absent, a NUL if too long to keep.
     pub fn arg(&self, i: usize) -> &[u8] {
-        self.args.get(i).map_or(&[], |a| a.as_slice())
+        self.args.get(i).map_or(&[], Kept::as_slice)
     }
 
     pub fn name(&self) -> &[u8] {
@@ -35,18 +81,15 @@ impl Command {
 
     fn keep(&mut self, i: u64, bytes: &[u8]) {
         if let Some(a) = self.args.get_mut(i as usize) {
-            if a.len() + bytes.len() <= KEPT_LEN {
-                a.extend(bytes.iter().map(u8::to_ascii_lowercase));
-            } else {
-                // Too long to be a name we care about: mark it so it matches nothing.
-                a.clear();
-                a.push(0);
-            }
+            a.extend(bytes);
         }
     }
 
     fn reset(&mut self) {
-        self.args.iter_mut().for_each(Vec::clear);
+        for a in &mut self.args {
+            a.len = 0;
+            a.too_long = false;
+        }
         self.argc = 0;
     }
 }

@@ -1,14 +1,17 @@
 //! What the external-access tests share: clusters with an `externalAccess` block, waiting
-//! for their external endpoints, and the checks a client outside Kubernetes makes through
-//! them (only external addresses in topology replies; writes through failovers).
+//! for their external endpoints, the Gateway (Traefik) that gateway mode routes through, and
+//! the checks a client outside Kubernetes makes through them (only external addresses in
+//! topology replies; writes through failovers).
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
+use gateway_api::experimental::gatewayclasses::GatewayClass;
+use gateway_api::experimental::gateways::Gateway;
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use redis::AsyncCommands;
 use serde_json::json;
@@ -17,7 +20,9 @@ use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 use shardgate_harness::clients::{cli_script, spread_keys};
-use shardgate_kube_harness::{Fault, TestEnv};
+use shardgate_kube_harness::{
+    free_loopback_ip, ControlPlane, Fault, TestEnv, Traefik, TRAEFIK_CONTROLLER_NAME,
+};
 
 use crate::{cluster_client, condition, eventually, pod_addrs, valkey_cluster, wait_ready};
 
@@ -130,6 +135,121 @@ pub async fn wait_external_ready(client: &Client, ns: &str, name: &str) -> Resul
         },
     )
     .await
+}
+
+/// A Gateway `gw` of a GatewayClass of its own (`traefik-<ns>`, Traefik's controller), with
+/// a TCP listener named `<prefix>-<k>` on each of its ports, and Traefik serving them on a
+/// fresh loopback IP.
+pub struct TraefikGateway {
+    pub traefik: Traefik,
+    api: Api<Gateway>,
+}
+
+impl TraefikGateway {
+    /// Starts Traefik on an entry point per `ports` (watching `ns` only: other Gateways on
+    /// the control plane are not this Traefik's) and declares a listener on the first
+    /// `declared` of them.
+    pub async fn start(
+        cp: &ControlPlane,
+        client: &Client,
+        ns: &str,
+        ports: &[u16],
+        declared: usize,
+        prefix: &str,
+    ) -> Result<TraefikGateway> {
+        let ip = free_loopback_ip(ports)?;
+        let entry_points: Vec<(String, u16)> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| (format!("vk{i}"), p))
+            .collect();
+        let traefik = Traefik::start_in(cp, &[ns], ip, &entry_points).await?;
+        let class = format!("traefik-{ns}");
+        Api::<GatewayClass>::all(client.clone())
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+                    "metadata": { "name": class },
+                    "spec": { "controllerName": TRAEFIK_CONTROLLER_NAME },
+                }))?,
+            )
+            .await
+            .with_context(|| format!("creating GatewayClass {class}"))?;
+        let api: Api<Gateway> = Api::namespaced(client.clone(), ns);
+        api.create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                "metadata": { "name": "gw" },
+                "spec": {
+                    "gatewayClassName": class,
+                    "listeners": gateway_listeners(&ports[..declared], prefix),
+                },
+            }))?,
+        )
+        .await
+        .context("creating Gateway gw")?;
+        Ok(TraefikGateway { traefik, api })
+    }
+
+    pub fn ip(&self) -> IpAddr {
+        self.traefik.ip()
+    }
+
+    /// Declares a listener on each of `ports` (the user adding what status asks for).
+    pub async fn declare(&self, ports: &[u16], prefix: &str) -> Result<()> {
+        self.api
+            .patch(
+                "gw",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "listeners": gateway_listeners(ports, prefix) } })),
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+fn gateway_listeners(ports: &[u16], prefix: &str) -> Vec<serde_json::Value> {
+    ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| {
+            json!({
+                "name": format!("{prefix}-{i}"), "port": port, "protocol": "TCP",
+                "allowedRoutes": { "kinds": [{ "kind": "TCPRoute" }] },
+            })
+        })
+        .collect()
+}
+
+/// `n` listener ports from `base`.
+pub fn port_range(base: u16, n: u16) -> Vec<u16> {
+    (base..base + n).collect()
+}
+
+/// `externalAccess` in gateway mode: announce mode, routed through the Gateway `gw` (its
+/// listener `section` if given) from `base_port` on.
+pub fn gateway_access(base_port: u16, section: Option<&str>) -> serde_json::Value {
+    let mut gateway_ref = json!({ "name": "gw" });
+    if let Some(s) = section {
+        gateway_ref["sectionName"] = json!(s);
+    }
+    json!({
+        "enabled": true,
+        "mode": "announce",
+        "gateway": { "gatewayRef": gateway_ref, "basePort": base_port },
+    })
+}
+
+/// `externalAccess` in proxy mode: one shardgate-proxy replica behind a LoadBalancer, the
+/// nodes from `base_port` on.
+pub fn proxy_access(base_port: u16) -> serde_json::Value {
+    json!({
+        "enabled": true,
+        "mode": "proxy",
+        "proxy": { "replicas": 1, "basePort": base_port },
+    })
 }
 
 /// The external Services of `cluster`, by name.

@@ -4,22 +4,21 @@
 //! only the Gateway's address.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _, Result};
-use gateway_api::experimental::gateways::Gateway;
 use gateway_api::experimental::tcproutes::TcpRoute;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
-use shardgate_kube_harness::{free_loopback_ip, TestEnv, Traefik, TRAEFIK_CONTROLLER_NAME};
+use shardgate_kube_harness::{TestEnv, TRAEFIK_CONTROLLER_NAME};
 use shardgate_operator_e2e::external::{
-    bootstrap_seeds, external_cluster, external_services, failovers_under_load,
-    only_external_addresses, redis_cli_set_get, wait_external_ready, FORM,
+    bootstrap_seeds, external_cluster, external_services, failovers_under_load, gateway_access,
+    only_external_addresses, port_range, redis_cli_set_get, wait_external_ready, TraefikGateway,
+    FORM,
 };
 use shardgate_operator_e2e::{condition, create, eventually, reconcile_again, Operator};
 
@@ -44,104 +43,6 @@ fn main() -> ExitCode {
         .run()
 }
 
-/// A Gateway of a GatewayClass of its own (Traefik's controller), with a TCP listener named
-/// `<prefix>-<k>` on each of `ports`, and Traefik serving them on a fresh loopback IP.
-struct TestGateway {
-    traefik: Traefik,
-    api: Api<Gateway>,
-}
-
-impl TestGateway {
-    async fn start(
-        env: &TestEnv,
-        ports: &[u16],
-        declared: usize,
-        prefix: &str,
-    ) -> Result<TestGateway> {
-        let ip = free_loopback_ip(ports)?;
-        let entry_points: Vec<(String, u16)> = ports
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| (format!("vk{i}"), p))
-            .collect();
-        // Only this namespace: the other tests' Gateways are not this Traefik's.
-        let traefik = Traefik::start_in(&env.cp, &[env.ns.as_str()], ip, &entry_points).await?;
-        let class = format!("traefik-{}", env.ns);
-        let classes: Api<gateway_api::experimental::gatewayclasses::GatewayClass> =
-            Api::all(env.client.clone());
-        classes
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({
-                    "apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
-                    "metadata": { "name": class },
-                    "spec": { "controllerName": TRAEFIK_CONTROLLER_NAME },
-                }))?,
-            )
-            .await?;
-        let api: Api<Gateway> = Api::namespaced(env.client.clone(), &env.ns);
-        api.create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
-                "metadata": { "name": "gw" },
-                "spec": {
-                    "gatewayClassName": class,
-                    "listeners": listeners(&ports[..declared], prefix),
-                },
-            }))?,
-        )
-        .await?;
-        Ok(TestGateway { traefik, api })
-    }
-
-    fn ip(&self) -> IpAddr {
-        self.traefik.ip()
-    }
-
-    /// Declares a listener on each of `ports` (the user adding what status asks for).
-    async fn declare(&self, ports: &[u16], prefix: &str) -> Result<()> {
-        self.api
-            .patch(
-                "gw",
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "spec": { "listeners": listeners(ports, prefix) } })),
-            )
-            .await?;
-        Ok(())
-    }
-}
-
-fn listeners(ports: &[u16], prefix: &str) -> Vec<serde_json::Value> {
-    ports
-        .iter()
-        .enumerate()
-        .map(|(i, port)| {
-            json!({
-                "name": format!("{prefix}-{i}"), "port": port, "protocol": "TCP",
-                "allowedRoutes": { "kinds": [{ "kind": "TCPRoute" }] },
-            })
-        })
-        .collect()
-}
-
-/// `n` listener ports from `base`.
-fn port_range(base: u16, n: u16) -> Vec<u16> {
-    (base..base + n).collect()
-}
-
-fn gateway_access(base_port: u16, section: Option<&str>) -> serde_json::Value {
-    let mut gateway_ref = json!({ "name": "gw" });
-    if let Some(s) = section {
-        gateway_ref["sectionName"] = json!(s);
-    }
-    json!({
-        "enabled": true,
-        "mode": "announce",
-        "gateway": { "gatewayRef": gateway_ref, "basePort": base_port },
-    })
-}
-
 /// The cluster's TCPRoutes, by name.
 async fn routes(client: &Client, ns: &str) -> Result<BTreeMap<String, TcpRoute>> {
     let list = Api::<TcpRoute>::namespaced(client.clone(), ns)
@@ -154,7 +55,7 @@ async fn routes_every_node(env: TestEnv) -> Result<()> {
     let base = 32100u16;
     let ports = port_range(base, 6);
     // The user's Gateway declares only four of the six listeners the routes need.
-    let gw = TestGateway::start(&env, &ports, 4, "l").await?;
+    let gw = TraefikGateway::start(&env.cp, &env.client, &env.ns, &ports, 4, "l").await?;
     let TestEnv { client, ns, .. } = &env;
     let operator = Operator::start(client, ns);
     let started = Instant::now();
@@ -314,7 +215,7 @@ async fn routes_every_node(env: TestEnv) -> Result<()> {
 async fn added_and_removed(env: TestEnv) -> Result<()> {
     let base = 32200u16;
     let ports = port_range(base, 2);
-    let gw = TestGateway::start(&env, &ports, 2, "l").await?;
+    let gw = TraefikGateway::start(&env.cp, &env.client, &env.ns, &ports, 2, "l").await?;
     let TestEnv { client, ns, cp } = &env;
     let operator = Operator::start(client, ns);
     let node_ip = cp.agent().node_ip().to_string();
@@ -422,7 +323,7 @@ async fn failovers(env: TestEnv) -> Result<()> {
     let base = 32300u16;
     let ports = port_range(base, 6);
     // Listeners named `valkey-<k>`: the routes attach by sectionName and port.
-    let gw = TestGateway::start(&env, &ports, 6, "valkey").await?;
+    let gw = TraefikGateway::start(&env.cp, &env.client, &env.ns, &ports, 6, "valkey").await?;
     let operator = Operator::start(&env.client, &env.ns);
     create(
         &env.client,

@@ -19,7 +19,7 @@ use shardgate_crds::NodeRef;
 use shardgate_harness::clients::{cli, redis_benchmark_cluster, redis_py_set_get};
 use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::external::{
-    bootstrap_seeds, external_cluster, failovers_under_load, only_external_addresses,
+    bootstrap_seeds, external_cluster, failovers_under_load, only_external_addresses, proxy_access,
     redis_cli_set_get, wait_external_ready, FORM,
 };
 use shardgate_operator_e2e::{cluster_client, create, eventually, pod_addrs, Operator};
@@ -55,14 +55,6 @@ fn main() -> ExitCode {
             scale_out,
         )
         .run()
-}
-
-fn proxy_access(base_port: u16) -> serde_json::Value {
-    json!({
-        "enabled": true,
-        "mode": "proxy",
-        "proxy": { "replicas": 1, "basePort": base_port },
-    })
 }
 
 async fn outside_and_inside(env: TestEnv) -> Result<()> {

@@ -1,7 +1,12 @@
 //! Prometheus metrics, one struct per concern, each registering itself.
 //!
 //! Per-connection counters are fetched once when the connection starts (a `Family` lookup
-//! takes a lock), so the byte counting on the copy path is one atomic add per read.
+//! takes a lock), so the byte counting on the copy path is one atomic add per read, to a
+//! slot of the thread's own ([`per_thread`]).
+
+mod per_thread;
+
+pub use per_thread::PerThreadCounter;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -44,7 +49,7 @@ pub struct ConnectionMetrics {
     pub active: Family<PortLabels, Gauge>,
     pub rejected: Family<ReasonLabels, Counter>,
     pub closed: Family<ReasonLabels, Counter>,
-    pub bytes: Family<BytesLabels, Counter>,
+    pub bytes: Family<BytesLabels, PerThreadCounter>,
     pub backend_errors: Family<KindLabels, Counter>,
 }
 

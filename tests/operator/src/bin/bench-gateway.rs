@@ -1,0 +1,906 @@
+//! The Gateway path end to end, side by side with proxy mode: on the Kubernetes harness (a
+//! local control plane whose node agent runs pods as local processes on loopback), one
+//! ValkeyCluster whose external access goes through a Gateway's TCPRoutes served by Traefik,
+//! and one of the same shape behind the operator's shardgate-proxy Deployment, both driven by
+//! the same `redis-benchmark --cluster` load from outside (their external endpoints),
+//! interleaved over rounds. Writes a markdown report (`docs/performance-gateway.md`).
+//!
+//! Run it with `scripts/bench-gateway` (which installs the tools and builds the release
+//! proxy the proxy pods run).
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _, Result};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::Client;
+use redis::AsyncCommands as _;
+use shardgate_controller::external::proxy::COMPONENT_PROXY;
+use shardgate_crds::names::labels;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_kube_harness::{ControlPlane, Options};
+use shardgate_operator_e2e::external::{
+    bootstrap_seeds, external_cluster, gateway_access, port_range, proxy_access,
+    topology_names_only, wait_external_ready, TraefikGateway,
+};
+use shardgate_operator_e2e::{cluster_client, create, eventually, pod_addrs, Operator};
+
+const HELP: &str = "bench-gateway [--rounds N] [--quick] [--out DIR] [--note TEXT]
+
+On a local Kubernetes control plane (the test harness: pods are local processes on loopback
+IPs), runs the operator in-process and creates two ValkeyClusters of 3 shards x 1 replica:
+`gw`, gateway mode (announce mode, one TCPRoute per node through a Gateway served by
+Traefik), and `px`, proxy mode (shardgate-proxy, one replica, behind a LoadBalancer). Then
+drives both with the same redis-benchmark --cluster load from outside (50 clients; SET and
+GET, pipeline 1 and 16), interleaved, and writes docs/performance-gateway.md: requests/s,
+p50/p99 latency and the data plane's CPU per request (Traefik's process, the proxy pod's
+process), medians over rounds with their min-max spread.
+
+  --rounds N   rounds of every workload on both paths (default 3)
+  --quick      1 round of fewer requests: a smoke run
+  --out DIR    write performance-gateway.md to DIR instead of docs/
+  --note TEXT  a line added to the report's header (e.g. what else the machine was doing)
+
+Needs SHARDGATE_PROXY_BIN (the shardgate-proxy binary the proxy pods run; scripts/bench-gateway
+builds the release one), redis-benchmark, Traefik, valkey-server and the Kubernetes binaries
+(scripts/setup; . ~/.cache/shardgate/env.sh).";
+
+/// Where the gateway's listeners and the proxy's ports start; each path has its own loopback
+/// IP, so the two ranges only need to stay clear of each other for readability.
+const GATEWAY_BASE: u16 = 32400;
+const PROXY_BASE: u16 = 32500;
+const SHARDS: u32 = 3;
+const REPLICAS: u32 = 1;
+const CLIENTS: u32 = 50;
+/// Bytes per value (`redis-benchmark -d`).
+const VALUE_SIZE: usize = 16;
+/// Keys drawn from this many (`-r`): spread over every slot, as `--cluster` needs.
+const KEYSPACE: u64 = 100_000;
+
+struct Args {
+    rounds: u32,
+    quick: bool,
+    out: PathBuf,
+    note: Option<String>,
+}
+
+fn parse_args() -> Result<Option<Args>> {
+    let mut args = Args {
+        rounds: 3,
+        quick: false,
+        out: repo().join("docs"),
+        note: None,
+    };
+    let mut rounds = None;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().with_context(|| format!("{name} needs a value"));
+        match a.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--quick" => args.quick = true,
+            "--rounds" => {
+                let v = value("--rounds")?;
+                let n: u32 = v.parse().with_context(|| format!("--rounds {v:?}"))?;
+                ensure!(n >= 1, "--rounds must be at least 1");
+                rounds = Some(n);
+            }
+            "--out" => args.out = PathBuf::from(value("--out")?),
+            "--note" => args.note = Some(value("--note")?),
+            other => bail!("unknown argument {other:?}\n\n{HELP}"),
+        }
+    }
+    args.rounds = rounds.unwrap_or(if args.quick { 1 } else { 3 });
+    Ok(Some(args))
+}
+
+fn main() -> Result<()> {
+    let Some(args) = parse_args()? else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let tools = Tools::find()?;
+    let started = Instant::now();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the Tokio runtime")?;
+    let crds = shardgate_kube_harness::yaml_files_in(&repo().join("deploy/crds"))?;
+    println!(
+        "starting the control plane (etcd, kube-apiserver, kube-controller-manager, node agent)"
+    );
+    let cp = runtime
+        .block_on(ControlPlane::start_with(Options {
+            yaml_files: crds,
+            ..Default::default()
+        }))
+        .context("starting the control plane (run scripts/setup first?)")?;
+    println!(
+        "  up in {:.1?}; kubeconfig {}",
+        started.elapsed(),
+        cp.kubeconfig().display()
+    );
+    let result = runtime.block_on(bench(&cp, &args));
+    // The operator's task and the clients live on this runtime: stop them before the control
+    // plane; its shutdown (the agent's thread, the daemons) blocks, so not on the runtime.
+    drop(runtime);
+    cp.shutdown();
+    let samples = result?;
+    let text = report(&args, &tools, &samples, started.elapsed())?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let path = args.out.join("performance-gateway.md");
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    println!(
+        "wrote {} ({:.0?} in all)",
+        path.display(),
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// The workspace's root (the CRDs, docs/).
+fn repo() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    root.canonicalize().unwrap_or(root)
+}
+
+/// The commit the proxy was built from, and whether `proxy/` differs from it: the release
+/// binary is built from the working tree, which may hold changes in progress. Read-only git.
+fn source_state() -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(repo())
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match (
+        git(&["rev-parse", "--short", "HEAD"]),
+        git(&["status", "--porcelain", "--", "proxy"]),
+    ) {
+        (Some(commit), Some(changes)) if changes.is_empty() => format!("commit {commit}"),
+        (Some(commit), Some(_)) => format!("commit {commit} with uncommitted changes in proxy/"),
+        _ => "commit unknown".into(),
+    }
+}
+
+/// The programs the run needs, found before anything starts, and their versions.
+struct Tools {
+    versions: Vec<(&'static str, String)>,
+}
+
+impl Tools {
+    fn find() -> Result<Tools> {
+        let redis_benchmark = shardgate_harness::tools::redis_benchmark()
+            .context("redis-benchmark (Debian's redis-tools; scripts/setup) is needed")?;
+        let traefik = shardgate_kube_harness::traefik_binary()?;
+        let valkey = shardgate_harness::tools::valkey_server()?;
+        // The node agent runs `$SHARDGATE_PROXY_BIN` for the proxy pods; without it, it would
+        // take whatever binary lies next to this one (a debug build, perhaps without the
+        // `kubernetes` feature): not what a benchmark should measure.
+        let proxy = std::env::var_os("SHARDGATE_PROXY_BIN")
+            .map(PathBuf::from)
+            .filter(|p| p.is_file())
+            .context(
+                "SHARDGATE_PROXY_BIN is not set to a file: run scripts/bench-gateway, which \
+                 builds the release shardgate-proxy and sets it",
+            )?;
+        let versions = vec![
+            ("Valkey", first_line(&valkey, &["--version"])?),
+            ("Traefik", traefik_version(&traefik)?),
+            (
+                "redis-benchmark",
+                first_line(&redis_benchmark, &["--version"])?,
+            ),
+            (
+                "shardgate-proxy",
+                format!(
+                    "{} ({}; {})",
+                    first_line(&proxy, &["--version"])?,
+                    proxy.display(),
+                    source_state()
+                ),
+            ),
+        ];
+        Ok(Tools { versions })
+    }
+}
+
+fn first_line(program: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", program.display()))?;
+    ensure!(
+        out.status.success(),
+        "{} {args:?}: {}",
+        program.display(),
+        out.status
+    );
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string())
+}
+
+/// `traefik version` prints a block; the `Version:` line is the one that matters.
+fn traefik_version(traefik: &Path) -> Result<String> {
+    let out = Command::new(traefik)
+        .arg("version")
+        .output()
+        .with_context(|| format!("running {} version", traefik.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("Version:"))
+        .map(|v| format!("traefik {}", v.trim()))
+        .unwrap_or_else(|| "traefik (version unknown)".into()))
+}
+
+// === the two paths ===
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Gateway,
+    Proxy,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Gateway => "gateway (Traefik)",
+            Mode::Proxy => "proxy (shardgate)",
+        }
+    }
+}
+
+/// One path into a cluster: where a client outside starts, and the data plane's process.
+#[derive(Clone, Debug)]
+struct Target {
+    mode: Mode,
+    seed: SocketAddr,
+    /// The data plane's process (`None`: not found; the report then has no CPU column).
+    pid: Option<u32>,
+}
+
+async fn bench(cp: &ControlPlane, args: &Args) -> Result<Vec<Sample>> {
+    let client = cp.client()?;
+    let ns = cp.namespace("bench-gateway").await?;
+    let started = Instant::now();
+    // Six listeners: one per node (3 shards x 2 nodes), as gateway mode routes them.
+    let nodes = u16::try_from(SHARDS * (REPLICAS + 1))?;
+    let gateway = TraefikGateway::start(
+        cp,
+        &client,
+        &ns,
+        &port_range(GATEWAY_BASE, nodes),
+        usize::from(nodes),
+        "valkey",
+    )
+    .await?;
+    println!(
+        "Traefik up at {} (pid {}); log {}",
+        gateway.ip(),
+        gateway.traefik.pid(),
+        gateway.traefik.log_path().display()
+    );
+    let operator = Operator::start(&client, &ns);
+    for (name, access) in [
+        ("gw", gateway_access(GATEWAY_BASE, Some("valkey"))),
+        ("px", proxy_access(PROXY_BASE)),
+    ] {
+        create(&client, &ns, &benchmark_cluster(name, access)?).await?;
+    }
+    println!("waiting for gw (gateway mode) and px (proxy mode) to be Ready from outside");
+    let (gw, px) = tokio::try_join!(
+        wait_external_ready(&client, &ns, "gw"),
+        wait_external_ready(&client, &ns, "px"),
+    )?;
+    println!("  both Ready in {:.1?}", started.elapsed());
+
+    let gw_seed = checked_seed(&client, &ns, &gw).await?;
+    ensure!(
+        gw_seed.ip() == gateway.ip(),
+        "gw's bootstrap {gw_seed} is not at the Gateway {}",
+        gateway.ip()
+    );
+    let px_seed = checked_seed(&client, &ns, &px).await?;
+    let targets = [
+        Target {
+            mode: Mode::Gateway,
+            seed: gw_seed,
+            pid: Some(gateway.traefik.pid()).filter(|&p| cmdline_has(p, "traefik")),
+        },
+        Target {
+            mode: Mode::Proxy,
+            seed: px_seed,
+            pid: proxy_pid(&client, &ns, "px").await?,
+        },
+    ];
+    for t in &targets {
+        println!(
+            "  {:<18} seed {}, data plane pid {}",
+            t.mode.label(),
+            t.seed,
+            t.pid.map_or("not found".into(), |p| p.to_string())
+        );
+    }
+
+    let samples = run_rounds(&targets, args).await;
+    gateway.traefik.check_running()?;
+    operator.stop().await;
+    samples
+}
+
+/// A 3 x 1 cluster with `externalAccess` set to `access`, without persistence: a fork for an
+/// RDB snapshot or an AOF rewrite in the middle of a run would load two shared cores with
+/// work that is neither path's.
+fn benchmark_cluster(name: &str, access: serde_json::Value) -> Result<ValkeyCluster> {
+    let mut vc = external_cluster(name, SHARDS, REPLICAS, access)?;
+    vc.spec.config.insert("appendonly".into(), "no".into());
+    vc.spec.config.insert("save".into(), "\"\"".into());
+    Ok(vc)
+}
+
+/// The first bootstrap address of `vc`, once the topology asked through it names only its
+/// external endpoints: otherwise redis-benchmark would follow pod addresses (reachable here
+/// on loopback) and bypass the data plane being measured.
+async fn checked_seed(client: &Client, ns: &str, vc: &ValkeyCluster) -> Result<SocketAddr> {
+    let name = kube::ResourceExt::name_any(vc);
+    let status = vc.status.clone().context("no status")?;
+    let allowed = status
+        .external_endpoints
+        .iter()
+        .map(|e| e.address())
+        .collect();
+    let pod_ips = pod_addrs(client, ns, &name)
+        .await?
+        .values()
+        .map(|a| a.ip().to_string())
+        .collect();
+    let seed = *bootstrap_seeds(vc)?
+        .first()
+        .with_context(|| format!("{name}: empty bootstrap"))?;
+    // Gossip may trail Ready by a round (a replica not yet listed by the seed).
+    eventually(
+        &format!("{name}: the topology seen from outside"),
+        Duration::from_secs(60),
+        || topology_names_only(seed, &allowed, &pod_ips),
+    )
+    .await?;
+    Ok(seed)
+}
+
+/// The process of `cluster`'s one proxy pod: the node agent reports each container's pid in
+/// its `containerID` (`shardgate://<pid>`).
+async fn proxy_pid(client: &Client, ns: &str, cluster: &str) -> Result<Option<u32>> {
+    let sel = format!(
+        "{}={cluster},{}={COMPONENT_PROXY}",
+        labels::CLUSTER,
+        labels::COMPONENT
+    );
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&sel))
+        .await?;
+    let pids: Vec<u32> = pods
+        .items
+        .iter()
+        .filter_map(|p| p.status.as_ref()?.container_statuses.as_ref())
+        .flatten()
+        .filter_map(|c| c.container_id.as_deref()?.strip_prefix("shardgate://"))
+        .filter_map(|pid| pid.parse().ok())
+        .collect();
+    match pids.as_slice() {
+        [pid] if cmdline_has(*pid, "shardgate-proxy") => Ok(Some(*pid)),
+        other => {
+            eprintln!("the proxy pod's process is not found (pids {other:?}): no CPU figures");
+            Ok(None)
+        }
+    }
+}
+
+/// Whether `/proc/<pid>/cmdline` names `program` (the pid is the process meant, not a reuse).
+fn cmdline_has(pid: u32, program: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).contains(program))
+        .unwrap_or(false)
+}
+
+/// On-CPU time of all of `pid`'s threads (`/proc/<pid>/task/*/schedstat`, nanoseconds).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut ns = 0u64;
+    for task in tasks.flatten() {
+        // A thread may end between the listing and the read: it then counts for nothing.
+        let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 / 1e9)
+}
+
+// === the load ===
+
+#[derive(Clone, Copy, Debug)]
+struct Workload {
+    name: &'static str,
+    load: Load,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Load {
+    /// `redis-benchmark --cluster -t <test> -P <pipeline>`, [`CLIENTS`] clients.
+    Benchmark { test: &'static str, pipeline: u32 },
+    /// One Rust cluster client (the `redis` crate, cluster-async) doing SET then GET of each
+    /// key, one request at a time: the latency a single caller sees, timed per request.
+    ClusterClient,
+}
+
+/// SET before GET, so that the GETs find values.
+const WORKLOADS: [Workload; 5] = [
+    Workload {
+        name: "SET P1",
+        load: Load::Benchmark {
+            test: "set",
+            pipeline: 1,
+        },
+    },
+    Workload {
+        name: "GET P1",
+        load: Load::Benchmark {
+            test: "get",
+            pipeline: 1,
+        },
+    },
+    Workload {
+        name: "SET P16",
+        load: Load::Benchmark {
+            test: "set",
+            pipeline: 16,
+        },
+    },
+    Workload {
+        name: "GET P16",
+        load: Load::Benchmark {
+            test: "get",
+            pipeline: 16,
+        },
+    },
+    Workload {
+        name: "1 client SET+GET",
+        load: Load::ClusterClient,
+    },
+];
+
+/// Requests per run: several seconds each on two shared cores (redis-benchmark's req/s is
+/// requests over whole milliseconds, coarse for a run of one second).
+fn requests(w: &Workload, quick: bool) -> u64 {
+    match (w.load, quick) {
+        (Load::Benchmark { pipeline: 1, .. }, false) => 100_000,
+        (Load::Benchmark { pipeline: 1, .. }, true) => 40_000,
+        (Load::Benchmark { .. }, false) => 1_000_000,
+        (Load::Benchmark { .. }, true) => 300_000,
+        // SETs and GETs together, one at a time.
+        (Load::ClusterClient, false) => 20_000,
+        (Load::ClusterClient, true) => 6_000,
+    }
+}
+
+/// Before the first round, each path gets this many SETs, not measured: connections,
+/// buffers and the proxy's and Traefik's first allocations, and keys for the GETs.
+const WARM_UP: u64 = 20_000;
+
+/// One redis-benchmark run on one path.
+#[derive(Clone, Debug)]
+struct Sample {
+    workload: &'static str,
+    mode: Mode,
+    round: u32,
+    requests: u64,
+    rps: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// The data plane's CPU seconds over the run.
+    cpu_s: Option<f64>,
+}
+
+async fn run_rounds(targets: &[Target; 2], args: &Args) -> Result<Vec<Sample>> {
+    for t in targets {
+        let seed = t.seed;
+        tokio::task::spawn_blocking(move || redis_benchmark(seed, "set", 1, WARM_UP))
+            .await
+            .context("the warm-up task")??;
+    }
+    let mut samples = Vec::new();
+    for round in 0..args.rounds {
+        for (i, w) in WORKLOADS.iter().enumerate() {
+            // Alternate which path goes first, so neither always runs on a warmer machine.
+            let order = if (round as usize + i).is_multiple_of(2) {
+                [&targets[0], &targets[1]]
+            } else {
+                [&targets[1], &targets[0]]
+            };
+            for t in order {
+                let s = measure(t, w, requests(w, args.quick), round).await?;
+                println!(
+                    "  round {}/{} {:<16} {:<18} {:>9.0} req/s  p50 {:.3} ms  p99 {:.3} ms{}",
+                    round + 1,
+                    args.rounds,
+                    s.workload,
+                    s.mode.label(),
+                    s.rps,
+                    s.p50_ms,
+                    s.p99_ms,
+                    s.cpu_s.map_or(String::new(), |c| format!(
+                        "  data plane {:.2} us/req",
+                        c / s.requests as f64 * 1e6
+                    ))
+                );
+                samples.push(s);
+            }
+        }
+    }
+    Ok(samples)
+}
+
+async fn measure(t: &Target, w: &Workload, requests: u64, round: u32) -> Result<Sample> {
+    let seed = t.seed;
+    // Connected before the clock starts: the run measures requests, not a handshake.
+    let conn = match w.load {
+        Load::ClusterClient => Some(cluster_client([seed]).await?),
+        Load::Benchmark { .. } => None,
+    };
+    let before = t.pid.and_then(cpu_seconds);
+    let r = match (w.load, conn) {
+        (Load::Benchmark { test, pipeline }, _) => {
+            tokio::task::spawn_blocking(move || redis_benchmark(seed, test, pipeline, requests))
+                .await
+                .context("the benchmark task")??
+        }
+        (Load::ClusterClient, Some(conn)) => one_client(conn, requests).await?,
+        (Load::ClusterClient, None) => bail!("no cluster connection"),
+    };
+    let after = t.pid.and_then(cpu_seconds);
+    Ok(Sample {
+        workload: w.name,
+        mode: t.mode,
+        round,
+        requests,
+        rps: r.rps,
+        p50_ms: r.p50_ms,
+        p99_ms: r.p99_ms,
+        cpu_s: before.zip(after).map(|(b, a)| a - b),
+    })
+}
+
+/// What redis-benchmark reported.
+struct Report {
+    rps: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+/// `redis-benchmark --cluster` from `seed` (it asks the seed for the topology and connects to
+/// every primary at the address handed out: the external one).
+fn redis_benchmark(seed: SocketAddr, test: &str, pipeline: u32, requests: u64) -> Result<Report> {
+    let bin = shardgate_harness::tools::redis_benchmark()?;
+    let what = format!("redis-benchmark -t {test} -P {pipeline} against {seed}");
+    let out = Command::new(&bin)
+        .args(["-h", &seed.ip().to_string(), "-p", &seed.port().to_string()])
+        .args(["-c", &CLIENTS.to_string(), "-n", &requests.to_string()])
+        .args(["-P", &pipeline.to_string(), "-d", &VALUE_SIZE.to_string()])
+        .args([
+            "-t",
+            test,
+            "--csv",
+            "--cluster",
+            "-r",
+            &KEYSPACE.to_string(),
+        ])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.success(),
+        "{what} failed ({}): {text}\n{stderr}",
+        out.status
+    );
+    parse_csv(&text).with_context(|| format!("{what}: no result in\n{text}\n{stderr}"))
+}
+
+/// `requests` / 2 keys over every slot, each SET and then each GET (checked), one request at
+/// a time; every request timed on its own.
+async fn one_client(
+    mut conn: redis::cluster_async::ClusterConnection,
+    requests: u64,
+) -> Result<Report> {
+    let keys = shardgate_harness::clients::spread_keys(usize::try_from(requests / 2)?, "bench");
+    let value = "v".repeat(VALUE_SIZE);
+    let mut latencies = Vec::with_capacity(keys.len() * 2);
+    let started = Instant::now();
+    for k in &keys {
+        let t = Instant::now();
+        let () = conn
+            .set(k, &value)
+            .await
+            .with_context(|| format!("SET {k}"))?;
+        latencies.push(t.elapsed());
+    }
+    for k in &keys {
+        let t = Instant::now();
+        let v: String = conn.get(k).await.with_context(|| format!("GET {k}"))?;
+        latencies.push(t.elapsed());
+        ensure!(v == value, "GET {k}: {v:?}");
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    ensure!(!latencies.is_empty(), "no requests");
+    latencies.sort();
+    // The nearest-rank percentile.
+    let ms = |q: f64| {
+        let i = ((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1;
+        latencies[i].as_secs_f64() * 1e3
+    };
+    Ok(Report {
+        rps: latencies.len() as f64 / elapsed,
+        p50_ms: ms(0.50),
+        p99_ms: ms(0.99),
+    })
+}
+
+/// The first data row of `--csv` output, by its header's column names (as benches/load reads
+/// it).
+fn parse_csv(text: &str) -> Result<Report> {
+    let mut lines = text.lines().map(|l| {
+        l.split(',')
+            .map(|c| c.trim_matches('"'))
+            .collect::<Vec<_>>()
+    });
+    let header = lines
+        .find(|cols| cols.first() == Some(&"test"))
+        .context("no header")?;
+    let row = lines.next().context("no data row")?;
+    let col = |name: &str| -> Result<f64> {
+        let i = header
+            .iter()
+            .position(|h| *h == name)
+            .with_context(|| format!("no column {name}"))?;
+        let v = row
+            .get(i)
+            .with_context(|| format!("short row for {name}"))?;
+        v.parse().with_context(|| format!("{name} = {v:?}"))
+    };
+    Ok(Report {
+        rps: col("rps")?,
+        p50_ms: col("p50_latency_ms")?,
+        p99_ms: col("p99_latency_ms")?,
+    })
+}
+
+// === the report ===
+
+/// Median, min and max of `values` (not empty).
+fn spread(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let median = if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    };
+    (median, values[0], values[n - 1])
+}
+
+/// `median (min–max)`, or the median alone for one round.
+fn show(values: Vec<f64>, digits: usize) -> String {
+    let rounds = values.len();
+    let (m, lo, hi) = spread(values);
+    if rounds == 1 {
+        format!("{m:.digits$}")
+    } else {
+        format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})")
+    }
+}
+
+fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Result<String> {
+    let of = |w: &str, m: Mode| -> Vec<&Sample> {
+        samples
+            .iter()
+            .filter(|s| s.workload == w && s.mode == m)
+            .collect()
+    };
+    let cpu_known = samples.iter().all(|s| s.cpu_s.is_some());
+    let date = k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC");
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into());
+
+    let mut md = String::new();
+    writeln!(
+        md,
+        "# Gateway mode (Traefik TCPRoutes) vs proxy mode (shardgate)\n"
+    )?;
+    writeln!(
+        md,
+        "Generated by `scripts/bench-gateway{}` on {date} (the harness's part took \
+         {:.0?}). {cores} cores; load \
+         average {load} when the report was written. **The machine is shared** (other builds \
+         and benchmarks may have run at the same time): compare the two columns of a row, \
+         measured interleaved, rather than absolute numbers.\n",
+        if args.quick { " --quick" } else { "" },
+        took
+    )?;
+    if let Some(note) = &args.note {
+        writeln!(md, "Note: {note}\n")?;
+    }
+    let versions: Vec<String> = tools
+        .versions
+        .iter()
+        .map(|(what, v)| format!("{what}: `{v}`"))
+        .collect();
+    writeln!(md, "Versions: {}.\n", versions.join("; "))?;
+    writeln!(
+        md,
+        "Setup: the Kubernetes harness (etcd, kube-apiserver, kube-controller-manager, a node \
+         agent running pods as local processes on loopback IPs) and the operator. Two \
+         ValkeyClusters of {SHARDS} shards x {REPLICAS} replica (no persistence): `gw` in \
+         gateway mode (announce mode, one TCPRoute per node on a Gateway served by Traefik, \
+         `GOMAXPROCS=2`), `px` in proxy mode (one shardgate-proxy pod, release build, behind a \
+         LoadBalancer address, rewriting topology replies; Tokio's default runtime, one worker \
+         per core). Before measuring, the topology \
+         asked through each path is checked to name only its external addresses, so the \
+         client cannot bypass the data plane.\n"
+    )?;
+    writeln!(
+        md,
+        "**The two paths are not the same length here.** Traefik runs outside the cluster on \
+         a loopback IP of its own, so gateway mode is client → Traefik → Valkey. The proxy \
+         is a pod behind a LoadBalancer Service, and the harness's LoadBalancer is a user-space \
+         relay in this (debug-built) process, so proxy mode is client → relay → shardgate → \
+         Valkey: one more hop, with its two reads and two writes per request, that a real \
+         LoadBalancer (cloud, MetalLB, IPVS) does in the kernel or the network, and that a \
+         Traefik behind its own LoadBalancer Service would pay too. The requests/s and latency \
+         ratios below carry that hop; the data-plane CPU columns do not (the relay is not \
+         counted). For the data planes alone, one hop each in front of the same Valkey, see \
+         [performance.md](performance.md) (shardgate against Traefik's TCP router).\n"
+    )?;
+    writeln!(
+        md,
+        "Load: `redis-benchmark --cluster -c {CLIENTS} -d {VALUE_SIZE} -r {KEYSPACE}` from the \
+         external bootstrap address, {} round(s), both paths interleaved (the first path \
+         alternates), after {WARM_UP} SETs on each path not measured; {} requests per run at \
+         pipeline 1 and {} at pipeline 16. `1 client SET+GET`: one Rust cluster client (the \
+         `redis` crate's cluster-async connection, built in debug like the rest of the \
+         harness: its own overhead is in both columns) seeded with the same address, {} \
+         requests, SET then GET of keys over every slot, one at a time, each timed (its req/s \
+         is requests over the run's time). Cells are the \
+         median over rounds with the min–max spread; ratio = proxy / gateway of the medians \
+         (above 1 means proxy mode serves more requests/s, or costs more CPU per request).\n",
+        args.rounds,
+        requests(&WORKLOADS[0], args.quick),
+        requests(&WORKLOADS[2], args.quick),
+        requests(&WORKLOADS[4], args.quick),
+    )?;
+    if cpu_known {
+        writeln!(
+            md,
+            "Data-plane CPU: on-CPU time of the Traefik process and of the proxy pod's \
+             process (`/proc/<pid>/task/*/schedstat`) over the run, divided by its requests \
+             (µs per request).\n"
+        )?;
+    } else {
+        writeln!(
+            md,
+            "Data-plane CPU: not measured (a data plane's process was not found).\n"
+        )?;
+    }
+
+    write!(
+        md,
+        "| workload | gateway req/s | proxy req/s | ratio | gateway p50 ms | proxy p50 ms | \
+         gateway p99 ms | proxy p99 ms |"
+    )?;
+    if cpu_known {
+        write!(md, " gateway CPU µs/req | proxy CPU µs/req | CPU ratio |")?;
+    }
+    writeln!(md)?;
+    write!(md, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
+    if cpu_known {
+        write!(md, "---:|---:|---:|")?;
+    }
+    writeln!(md)?;
+    for w in &WORKLOADS {
+        let (g, p) = (of(w.name, Mode::Gateway), of(w.name, Mode::Proxy));
+        ensure!(!g.is_empty() && !p.is_empty(), "no samples of {}", w.name);
+        let field = |s: &[&Sample], f: fn(&Sample) -> f64| s.iter().map(|x| f(x)).collect();
+        let ratio = |f: fn(&Sample) -> f64| {
+            let (gm, pm) = (spread(field(&g, f)).0, spread(field(&p, f)).0);
+            if gm > 0.0 {
+                format!("{:.2}", pm / gm)
+            } else {
+                "–".into()
+            }
+        };
+        write!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            w.name,
+            show(field(&g, |s| s.rps), 0),
+            show(field(&p, |s| s.rps), 0),
+            ratio(|s| s.rps),
+            show(field(&g, |s| s.p50_ms), 3),
+            show(field(&p, |s| s.p50_ms), 3),
+            show(field(&g, |s| s.p99_ms), 3),
+            show(field(&p, |s| s.p99_ms), 3),
+        )?;
+        if cpu_known {
+            let per_req = |s: &Sample| s.cpu_s.unwrap_or(0.0) / s.requests as f64 * 1e6;
+            write!(
+                md,
+                " {} | {} | {} |",
+                show(field(&g, per_req), 2),
+                show(field(&p, per_req), 2),
+                ratio(per_req)
+            )?;
+        }
+        writeln!(md)?;
+    }
+
+    writeln!(md, "\n## Every run\n")?;
+    writeln!(
+        md,
+        "| round | workload | path | requests | req/s | p50 ms | p99 ms | data-plane CPU s |"
+    )?;
+    writeln!(md, "|---:|---|---|---:|---:|---:|---:|---:|")?;
+    for s in samples {
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.0} | {:.3} | {:.3} | {} |",
+            s.round + 1,
+            s.workload,
+            s.mode.label(),
+            s.requests,
+            s.rps,
+            s.p50_ms,
+            s.p99_ms,
+            s.cpu_s.map_or("–".into(), |c| format!("{c:.2}"))
+        )?;
+    }
+    Ok(md)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_redis_benchmark_csv() {
+        let text = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\
+                    \"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
+                    \"SET\",\"41234.56\",\"1.1\",\"0.2\",\"1.063\",\"1.5\",\"2.335\",\"9.1\"\n";
+        let r = parse_csv(text).expect("parses");
+        assert!((r.rps - 41234.56).abs() < 1e-6);
+        assert!((r.p50_ms - 1.063).abs() < 1e-9);
+        assert!((r.p99_ms - 2.335).abs() < 1e-9);
+    }
+
+    #[test]
+    fn medians_and_spread() {
+        assert_eq!(spread(vec![3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+        assert_eq!(spread(vec![4.0, 1.0, 2.0, 3.0]), (2.5, 1.0, 4.0));
+        assert_eq!(show(vec![2.0], 1), "2.0");
+        assert_eq!(show(vec![1.0, 3.0, 2.0], 0), "2 (1–3)");
+    }
+}
