@@ -53,29 +53,38 @@ pub fn is_replicas(f: &Frame<'_>) -> bool {
 /// `<id> <ip:port@cport[,hostname]> <flags> <primary-id|-> <ping> <pong> <epoch>
 /// <link-state> [<slot>...]`, as `clusterGenNodeDescription` writes it.
 fn is_node_line(line: &[u8]) -> bool {
-    let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+    // Field by field, found with memchr, with no allocation: a large cluster's reply has
+    // hundreds of lines, and this check runs before every rewrite.
+    let mut rest = line;
+    let mut next = || -> Option<&[u8]> {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = memchr::memchr(b' ', rest).unwrap_or(rest.len());
+        let field = &rest[..end];
+        rest = rest.get(end + 1..).unwrap_or_default();
+        Some(field)
+    };
     let id = |f: &[u8]| f.len() == 40 && f.iter().all(u8::is_ascii_hexdigit);
     let number = |f: &[u8]| !f.is_empty() && f.iter().all(u8::is_ascii_digit);
     let address = |f: &[u8]| {
-        let Some(at) = f.iter().position(|&b| b == b'@') else {
+        let Some(at) = memchr::memchr(b'@', f) else {
             return false;
         };
         let (hostport, tail) = (&f[..at], &f[at + 1..]);
-        let cport = tail.split(|&b| b == b',').next().unwrap_or_default();
-        hostport
-            .iter()
-            .rposition(|&b| b == b':')
-            .is_some_and(|c| number(&hostport[c + 1..]))
-            && number(cport)
+        let cport = &tail[..memchr::memchr(b',', tail).unwrap_or(tail.len())];
+        memchr::memrchr(b':', hostport).is_some_and(|c| number(&hostport[c + 1..])) && number(cport)
     };
-    fields.len() >= 8
-        && id(fields[0])
-        && address(fields[1])
-        && !fields[2].is_empty()
-        && (fields[3] == b"-" || id(fields[3]))
-        && fields[4..7].iter().all(|f| number(f))
-        && matches!(fields[7], b"connected" | b"disconnected")
-        && fields[8..].iter().all(|f| !f.is_empty())
+    let shaped = next().is_some_and(id)
+        && next().is_some_and(address)
+        && next().is_some_and(|flags| !flags.is_empty())
+        && next().is_some_and(|primary| primary == b"-" || id(primary))
+        && next().is_some_and(number)
+        && next().is_some_and(number)
+        && next().is_some_and(number)
+        && next().is_some_and(|link| matches!(link, b"connected" | b"disconnected"));
+    // The slots, if any: no empty field (two spaces, or a trailing one).
+    shaped && std::iter::from_fn(next).all(|f| !f.is_empty()) && !line.ends_with(b" ")
 }
 
 /// `CLUSTER REPLICAS`: an array of lines without the trailing newline.
