@@ -121,6 +121,7 @@ impl Proxy {
                 let listener = TcpListener::bind(addr)
                     .await
                     .map_err(|source| StartError::TlsListen { addr, source })?;
+                crate::dial::tune_listener(&listener);
                 let mode = match &tls.mode {
                     TlsModeConfig::Passthrough => (TlsMode::Passthrough, None),
                     TlsModeConfig::Terminate {

@@ -170,8 +170,9 @@ pub struct Forwarder {
 impl Forwarder {
     /// Serves one accepted client connection on listener `port` with its route, taken at
     /// accept time. Counts and logs the outcome.
-    pub async fn serve(&self, client: TcpStream, port: u16, route: Arc<Route>) {
-        let peer = client.peer_addr().ok();
+    /// `peer` is the address accept gave.
+    pub async fn serve(&self, client: TcpStream, peer: SocketAddr, port: u16, route: Arc<Route>) {
+        let peer = Some(peer);
         let open = self.opened(port);
         // Awaited in place, not handed to another async fn: a future moved into another
         // is stored twice, and a connection's state is what idle connections cost.
@@ -259,7 +260,7 @@ impl Forwarder {
                 backend: route.backend.to_string(),
                 source,
             })?;
-        crate::dial::tune(&client);
+        // The client socket has its options from the listener (`dial::tune_listener`).
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
         let rewrite = route.rewrite.then_some(Addresses::Ports);

@@ -62,6 +62,7 @@ impl Listeners {
                 }
                 match TcpListener::bind(SocketAddr::new(self.listen_ip, port)).await {
                     Ok(listener) => {
+                        crate::dial::tune_listener(&listener);
                         let stop = shutdown.child_token();
                         bound.insert(port, stop.clone());
                         // Down again when the accept loop has dropped the socket.
@@ -96,7 +97,7 @@ impl Listeners {
         port: u16,
         stop: CancellationToken,
     ) {
-        while let Some((socket, permit)) = self
+        while let Some((socket, peer, permit)) = self
             .accept(&listener, port, &stop, Budget::Connections)
             .await
         {
@@ -106,7 +107,7 @@ impl Listeners {
             };
             let forwarder = self.forwarder.clone();
             self.connections.spawn(async move {
-                forwarder.serve(socket, port, route).await;
+                forwarder.serve(socket, peer, port, route).await;
                 drop(permit);
             });
         }
@@ -127,13 +128,11 @@ impl Listeners {
     ) {
         let port = tls.port;
         tracing::info!(port, "TLS port listening (routed by SNI)");
-        while let Some((socket, permit)) = self
+        while let Some((socket, peer, permit)) = self
             .accept(&listener, port, &stop, Budget::Handshakes)
             .await
         {
-            let Some(source) = socket.peer_addr().ok().map(|p| p.ip()) else {
-                continue;
-            };
+            let source = peer.ip();
             let Some(slot) = self.per_source.take(source) else {
                 self.reject("source_handshake_limit");
                 self.metrics.tls.refuse("source_handshake_limit");
@@ -151,7 +150,7 @@ impl Listeners {
             let tls = tls.clone();
             let limit = self.limit.clone();
             self.connections.spawn(async move {
-                tls.serve(socket, handshake, limit).await;
+                tls.serve(socket, peer, handshake, limit).await;
             });
         }
     }
@@ -165,7 +164,7 @@ impl Listeners {
         port: u16,
         stop: &CancellationToken,
         budget: Budget,
-    ) -> Option<(TcpStream, OwnedSemaphorePermit)> {
+    ) -> Option<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
         let mut backoff = Duration::from_millis(5);
         let permits = match budget {
             Budget::Connections => &self.limit,
@@ -187,7 +186,7 @@ impl Listeners {
                 }
             };
             match permits.clone().try_acquire_owned() {
-                Ok(permit) => return Some((socket, permit)),
+                Ok(permit) => return Some((socket, peer, permit)),
                 Err(_) => match budget {
                     Budget::Connections => {
                         self.reject("connection_limit");

@@ -61,9 +61,15 @@ impl TlsServer {
     /// budget and in its address's) until its hello is routed (passthrough) or its handshake done (terminate),
     /// and then one of `limit`, the connection limit. Every outcome is counted and logged
     /// here.
-    pub async fn serve(&self, mut tcp: TcpStream, handshake: Handshake, limit: Arc<Semaphore>) {
-        let peer = tcp.peer_addr().ok();
-        crate::dial::tune(&tcp);
+    /// `peer` is the address accept gave; the socket has its options from the listener.
+    pub async fn serve(
+        &self,
+        mut tcp: TcpStream,
+        peer: SocketAddr,
+        handshake: Handshake,
+        limit: Arc<Semaphore>,
+    ) {
+        let peer = Some(peer);
         let hello = match detect(&mut tcp, self.limits).await {
             Ok(h) => h,
             Err(e) => {
