@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+/// What redis-benchmark reported.
+pub use shardgate_harness::tools::BenchmarkReport as Report;
 
 /// One redis-benchmark invocation.
 #[derive(Clone, Debug)]
@@ -17,13 +19,6 @@ pub struct Run {
     pub value_size: usize,
     /// `--cluster`: ask the entry node for the topology and spread keys over the shards.
     pub cluster: bool,
-}
-
-/// What redis-benchmark reported.
-pub struct Report {
-    pub rps: f64,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
 }
 
 pub fn run(addr: SocketAddr, r: &Run) -> Result<Report> {
@@ -50,38 +45,10 @@ pub fn run(addr: SocketAddr, r: &Run) -> Result<Report> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    parse_csv(&text).with_context(|| {
+    shardgate_harness::tools::parse_benchmark_csv(&text).with_context(|| {
         format!(
             "redis-benchmark {r:?} against {addr}: no result in\n{text}\n{}",
             String::from_utf8_lossy(&out.stderr)
         )
-    })
-}
-
-/// The first data row of `--csv` output, by its header's column names.
-fn parse_csv(text: &str) -> Result<Report> {
-    let mut lines = text.lines().map(|l| {
-        l.split(',')
-            .map(|c| c.trim_matches('"'))
-            .collect::<Vec<_>>()
-    });
-    let header = lines
-        .find(|cols| cols.first() == Some(&"test"))
-        .context("no header")?;
-    let row = lines.next().context("no data row")?;
-    let col = |name: &str| -> Result<f64> {
-        let i = header
-            .iter()
-            .position(|h| *h == name)
-            .with_context(|| format!("no column {name}"))?;
-        let v = row
-            .get(i)
-            .with_context(|| format!("short row for {name}"))?;
-        v.parse().with_context(|| format!("{name} = {v:?}"))
-    };
-    Ok(Report {
-        rps: col("rps")?,
-        p50_ms: col("p50_latency_ms")?,
-        p99_ms: col("p99_latency_ms")?,
     })
 }

@@ -118,10 +118,8 @@ impl Proxy {
         let tls_parts = match &config.tls {
             Some(tls) => {
                 let addr = SocketAddr::new(config.listen_ip, tls.port);
-                let listener = TcpListener::bind(addr)
-                    .await
+                let listener = crate::dial::listen(addr)
                     .map_err(|source| StartError::TlsListen { addr, source })?;
-                crate::dial::tune_listener(&listener);
                 let mode = match &tls.mode {
                     TlsModeConfig::Passthrough => (TlsMode::Passthrough, None),
                     TlsModeConfig::Terminate {

@@ -16,6 +16,7 @@
 //! Half-closes are forwarded: a client that shuts its write side still gets the replies in
 //! flight.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -540,7 +541,7 @@ struct Replies<'s> {
 thread_local! {
     /// The segments of the read being observed: per thread rather than per connection, as
     /// they never outlive one `observe`.
-    static SEGMENTS: std::cell::Cell<Vec<Segment>> = const { std::cell::Cell::new(Vec::new()) };
+    static SEGMENTS: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
 }
 
 impl Observer for Replies<'_> {
@@ -555,7 +556,8 @@ impl Observer for Replies<'_> {
         }
         let map = &self.map;
         let mut report = Report::default();
-        let mut segments = SEGMENTS.take();
+        // During thread teardown the scratch is gone: a fresh vector does.
+        let mut segments = SEGMENTS.try_with(Cell::take).unwrap_or_default();
         segments.clear();
         let processed = self
             .side
@@ -574,7 +576,7 @@ impl Observer for Replies<'_> {
             }
         };
         segments.clear();
-        SEGMENTS.set(segments);
+        let _ = SEGMENTS.try_with(|s| s.set(segments));
         processed?;
         Ok(match one {
             Some(range) => &input[range],

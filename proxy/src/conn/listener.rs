@@ -60,9 +60,8 @@ impl Listeners {
                 if bound.contains_key(&port) {
                     continue;
                 }
-                match TcpListener::bind(SocketAddr::new(self.listen_ip, port)).await {
+                match crate::dial::listen(SocketAddr::new(self.listen_ip, port)) {
                     Ok(listener) => {
-                        crate::dial::tune_listener(&listener);
                         let stop = shutdown.child_token();
                         bound.insert(port, stop.clone());
                         // Down again when the accept loop has dropped the socket.

@@ -81,6 +81,8 @@ pub enum Lost {
     SubscribedResp2,
     /// EXEC on a monitoring connection: Valkey feeds the monitor line of each command it
     /// runs into the connection's output amid EXEC's array, which is then no RESP array.
+    /// Told from the requests alone, so it errs on the safe side: a MONITOR still due that
+    /// Valkey will refuse, or an EXEC that aborts, closes the connection all the same.
     TransactionWhileMonitoring,
 }
 

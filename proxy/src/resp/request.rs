@@ -10,7 +10,7 @@ pub const KEPT_ARGS: usize = 3;
 pub const KEPT_LEN: usize = 32;
 
 /// One kept argument, lowercased, inline: a connection's command names cost no allocation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 struct Kept {
     len: u8,
     bytes: [u8; KEPT_LEN],
@@ -27,6 +27,15 @@ impl Default for Kept {
         }
     }
 }
+
+/// Equal as arguments: the bytes past `len`, left from an earlier command, do not count.
+impl PartialEq for Kept {
+    fn eq(&self, other: &Kept) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for Kept {}
 
 impl Kept {
     fn as_slice(&self) -> &[u8] {

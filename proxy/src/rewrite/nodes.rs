@@ -53,38 +53,54 @@ pub fn is_replicas(f: &Frame<'_>) -> bool {
 /// `<id> <ip:port@cport[,hostname]> <flags> <primary-id|-> <ping> <pong> <epoch>
 /// <link-state> [<slot>...]`, as `clusterGenNodeDescription` writes it.
 fn is_node_line(line: &[u8]) -> bool {
-    // Field by field, found with memchr, with no allocation: a large cluster's reply has
-    // hundreds of lines, and this check runs before every rewrite.
-    let mut rest = line;
-    let mut next = || -> Option<&[u8]> {
-        if rest.is_empty() {
-            return None;
+    // One pass over the bytes, each field checked as its space is found, with no
+    // allocation: a large cluster's reply has hundreds of lines, and this check runs before
+    // every rewrite.
+    let mut field = 0;
+    let mut start = 0;
+    for (i, &b) in line.iter().enumerate() {
+        if b == b' ' {
+            if !node_field(field, &line[start..i]) {
+                return false;
+            }
+            field += 1;
+            start = i + 1;
         }
-        let end = memchr::memchr(b' ', rest).unwrap_or(rest.len());
-        let field = &rest[..end];
-        rest = rest.get(end + 1..).unwrap_or_default();
-        Some(field)
-    };
-    let id = |f: &[u8]| f.len() == 40 && f.iter().all(u8::is_ascii_hexdigit);
-    let number = |f: &[u8]| !f.is_empty() && f.iter().all(u8::is_ascii_digit);
-    let address = |f: &[u8]| {
-        let Some(at) = memchr::memchr(b'@', f) else {
-            return false;
-        };
-        let (hostport, tail) = (&f[..at], &f[at + 1..]);
-        let cport = &tail[..memchr::memchr(b',', tail).unwrap_or(tail.len())];
-        memchr::memrchr(b':', hostport).is_some_and(|c| number(&hostport[c + 1..])) && number(cport)
-    };
-    let shaped = next().is_some_and(id)
-        && next().is_some_and(address)
-        && next().is_some_and(|flags| !flags.is_empty())
-        && next().is_some_and(|primary| primary == b"-" || id(primary))
-        && next().is_some_and(number)
-        && next().is_some_and(number)
-        && next().is_some_and(number)
-        && next().is_some_and(|link| matches!(link, b"connected" | b"disconnected"));
-    // The slots, if any: no empty field (two spaces, or a trailing one).
-    shaped && std::iter::from_fn(next).all(|f| !f.is_empty()) && !line.ends_with(b" ")
+    }
+    // At least the eight fields up to the link state; none empty (a trailing space leaves an
+    // empty last one).
+    field >= 7 && node_field(field, &line[start..])
+}
+
+/// Field `k` of a node line, as `clusterGenNodeDescription` writes it.
+fn node_field(k: usize, f: &[u8]) -> bool {
+    // Folded without an early exit, so that the compiler checks many bytes at a time: a
+    // line's ids and numbers are most of its bytes.
+    let id = |f: &[u8]| f.len() == 40 && f.iter().fold(true, |ok, b| ok & b.is_ascii_hexdigit());
+    let number =
+        |f: &[u8]| !f.is_empty() && f.iter().fold(true, |ok, b| ok & b.is_ascii_digit());
+    match k {
+        0 => id(f),
+        // ip:port@cport[,hostname]
+        1 => {
+            let Some(at) = memchr::memchr(b'@', f) else {
+                return false;
+            };
+            let (hostport, tail) = (&f[..at], &f[at + 1..]);
+            let cport = &tail[..memchr::memchr(b',', tail).unwrap_or(tail.len())];
+            memchr::memrchr(b':', hostport).is_some_and(|c| number(&hostport[c + 1..]))
+                && number(cport)
+        }
+        // The flags.
+        2 => !f.is_empty(),
+        // The primary's id, or `-`.
+        3 => f == b"-" || id(f),
+        // Ping sent, pong received, config epoch.
+        4..=6 => number(f),
+        7 => matches!(f, b"connected" | b"disconnected"),
+        // The slots.
+        _ => !f.is_empty(),
+    }
 }
 
 /// `CLUSTER REPLICAS`: an array of lines without the trailing newline.
@@ -160,5 +176,86 @@ fn rewrite_line(map: &AddressMap, line: &[u8], out: &mut Vec<u8>, report: &mut R
     if let Some(rest) = rest {
         out.push(b' ');
         out.extend_from_slice(rest);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The check as first written (split into a vector of fields): the reference the
+    /// one-pass version must agree with.
+    fn reference(line: &[u8]) -> bool {
+        let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+        let id = |f: &[u8]| f.len() == 40 && f.iter().all(u8::is_ascii_hexdigit);
+        let number = |f: &[u8]| !f.is_empty() && f.iter().all(u8::is_ascii_digit);
+        let address = |f: &[u8]| {
+            let Some(at) = f.iter().position(|&b| b == b'@') else {
+                return false;
+            };
+            let (hostport, tail) = (&f[..at], &f[at + 1..]);
+            let cport = tail.split(|&b| b == b',').next().unwrap_or_default();
+            hostport
+                .iter()
+                .rposition(|&b| b == b':')
+                .is_some_and(|c| number(&hostport[c + 1..]))
+                && number(cport)
+        };
+        fields.len() >= 8
+            && id(fields[0])
+            && address(fields[1])
+            && !fields[2].is_empty()
+            && (fields[3] == b"-" || id(fields[3]))
+            && fields[4..7].iter().all(|f| number(f))
+            && matches!(fields[7], b"connected" | b"disconnected")
+            && fields[8..].iter().all(|f| !f.is_empty())
+    }
+
+    const PRIMARY: &str = "e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001,vc-0-0 myself,master - 0 0 1 connected 0-5460";
+    const REPLICA: &str = "67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1 10.0.0.2:6379@16379 slave e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 0 1796001046000 1 connected";
+
+    #[test]
+    fn node_lines_as_valkey_writes_them_and_near_misses() {
+        for line in [PRIMARY, REPLICA] {
+            assert!(is_node_line(line.as_bytes()), "{line}");
+        }
+        let misses = [
+            "",
+            " ",
+            &format!("{PRIMARY} "),
+            &PRIMARY.replacen(' ', "  ", 1),
+            &REPLICA.replace(" connected", ""),
+            &REPLICA.replace("connected", "up"),
+            &REPLICA.replace(":6379@", "6379@"),
+            &REPLICA.replace("@16379", ""),
+            &REPLICA.replace(" 0 ", " x "),
+            "value stored by a user 127.0.0.1:6379@16379 not a node line at all",
+        ];
+        for line in misses {
+            assert!(!is_node_line(line.as_bytes()), "{line:?}");
+            assert!(!reference(line.as_bytes()), "{line:?}");
+        }
+    }
+
+    proptest! {
+        /// Real lines with bytes replaced, removed or added: the one-pass check says what
+        /// the reference says.
+        #[test]
+        fn agrees_with_the_reference(
+            base in prop::sample::select(vec![PRIMARY, REPLICA]),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), prop::sample::select(vec![b' ', b'@', b':', b',', b'-', b'a', b'0', b'x']), 0u8..3), 0..4),
+        ) {
+            let mut line = base.as_bytes().to_vec();
+            for (at, byte, op) in edits {
+                let i = at.index(line.len() + 1);
+                match op {
+                    0 if i < line.len() => line[i] = byte,
+                    1 if i < line.len() => { line.remove(i); }
+                    _ => line.insert(i, byte),
+                }
+            }
+            prop_assert_eq!(is_node_line(&line), reference(&line), "{}", line.escape_ascii());
+        }
     }
 }

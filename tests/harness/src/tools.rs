@@ -16,7 +16,7 @@ use std::ffi::OsString;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 /// What to look for, and where.
 struct Tool {
@@ -329,5 +329,60 @@ mod tests {
         assert!(err.contains("SHARDGATE_REDIS_CLI is set to"), "{err}");
         assert!(err.contains("scripts/setup"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// What one redis-benchmark run reported (its `--csv` output).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BenchmarkReport {
+    pub rps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+/// The first data row of redis-benchmark's `--csv` output, by its header's column names:
+/// what the load harnesses (`benches/load`, `bench-gateway`) read.
+pub fn parse_benchmark_csv(text: &str) -> Result<BenchmarkReport> {
+    let mut lines = text.lines().map(|l| {
+        l.split(',')
+            .map(|c| c.trim_matches('"'))
+            .collect::<Vec<_>>()
+    });
+    let header = lines
+        .find(|cols| cols.first() == Some(&"test"))
+        .context("no header")?;
+    let row = lines.next().context("no data row")?;
+    let col = |name: &str| -> Result<f64> {
+        let i = header
+            .iter()
+            .position(|h| *h == name)
+            .with_context(|| format!("no column {name}"))?;
+        let v = row
+            .get(i)
+            .with_context(|| format!("short row for {name}"))?;
+        v.parse().with_context(|| format!("{name} = {v:?}"))
+    };
+    Ok(BenchmarkReport {
+        rps: col("rps")?,
+        p50_ms: col("p50_latency_ms")?,
+        p99_ms: col("p99_latency_ms")?,
+    })
+}
+
+#[cfg(test)]
+mod benchmark_csv_tests {
+    use super::*;
+
+    /// The shape of redis-benchmark 7.0's `--csv` output (as it prints it here).
+    #[test]
+    fn reads_the_first_row_by_column_name() {
+        let text = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\
+                    \"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
+                    \"SET\",\"41234.56\",\"1.1\",\"0.2\",\"1.063\",\"1.5\",\"2.335\",\"9.1\"\n";
+        let r = parse_benchmark_csv(text).expect("parses");
+        assert!((r.rps - 41234.56).abs() < 1e-6);
+        assert!((r.p50_ms - 1.063).abs() < 1e-9);
+        assert!((r.p99_ms - 2.335).abs() < 1e-9);
+        assert!(parse_benchmark_csv("no csv here").is_err());
     }
 }

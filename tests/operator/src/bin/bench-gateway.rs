@@ -15,6 +15,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
+// What a run reported: redis-benchmark's, or the Rust client's in the same terms.
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::Client;
@@ -22,6 +23,7 @@ use redis::AsyncCommands as _;
 use shardgate_controller::external::proxy::COMPONENT_PROXY;
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_harness::tools::BenchmarkReport as Report;
 use shardgate_kube_harness::{ControlPlane, Options};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, external_cluster, gateway_access, port_range, proxy_access,
@@ -584,13 +586,6 @@ async fn measure(t: &Target, w: &Workload, requests: u64, round: u32) -> Result<
     })
 }
 
-/// What redis-benchmark reported.
-struct Report {
-    rps: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-}
-
 /// `redis-benchmark --cluster` from `seed` (it asks the seed for the topology and connects to
 /// every primary at the address handed out: the external one).
 fn redis_benchmark(seed: SocketAddr, test: &str, pipeline: u32, requests: u64) -> Result<Report> {
@@ -617,7 +612,8 @@ fn redis_benchmark(seed: SocketAddr, test: &str, pipeline: u32, requests: u64) -
         "{what} failed ({}): {text}\n{stderr}",
         out.status
     );
-    parse_csv(&text).with_context(|| format!("{what}: no result in\n{text}\n{stderr}"))
+    shardgate_harness::tools::parse_benchmark_csv(&text)
+        .with_context(|| format!("{what}: no result in\n{text}\n{stderr}"))
 }
 
 /// `requests` / 2 keys over every slot, each SET and then each GET (checked), one request at
@@ -656,35 +652,6 @@ async fn one_client(
         rps: latencies.len() as f64 / elapsed,
         p50_ms: ms(0.50),
         p99_ms: ms(0.99),
-    })
-}
-
-/// The first data row of `--csv` output, by its header's column names (as benches/load reads
-/// it).
-fn parse_csv(text: &str) -> Result<Report> {
-    let mut lines = text.lines().map(|l| {
-        l.split(',')
-            .map(|c| c.trim_matches('"'))
-            .collect::<Vec<_>>()
-    });
-    let header = lines
-        .find(|cols| cols.first() == Some(&"test"))
-        .context("no header")?;
-    let row = lines.next().context("no data row")?;
-    let col = |name: &str| -> Result<f64> {
-        let i = header
-            .iter()
-            .position(|h| *h == name)
-            .with_context(|| format!("no column {name}"))?;
-        let v = row
-            .get(i)
-            .with_context(|| format!("short row for {name}"))?;
-        v.parse().with_context(|| format!("{name} = {v:?}"))
-    };
-    Ok(Report {
-        rps: col("rps")?,
-        p50_ms: col("p50_latency_ms")?,
-        p99_ms: col("p99_latency_ms")?,
     })
 }
 
@@ -884,17 +851,6 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_redis_benchmark_csv() {
-        let text = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\
-                    \"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
-                    \"SET\",\"41234.56\",\"1.1\",\"0.2\",\"1.063\",\"1.5\",\"2.335\",\"9.1\"\n";
-        let r = parse_csv(text).expect("parses");
-        assert!((r.rps - 41234.56).abs() < 1e-6);
-        assert!((r.p50_ms - 1.063).abs() < 1e-9);
-        assert!((r.p99_ms - 2.335).abs() < 1e-9);
-    }
 
     #[test]
     fn medians_and_spread() {
