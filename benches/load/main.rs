@@ -73,10 +73,30 @@ pub struct Settings {
 impl Settings {
     fn parse(args: &[String]) -> Result<Settings> {
         let quick = args.iter().any(|a| a == "--quick");
+        let full = Settings {
+            rounds: 5,
+            threads: vec![1, 2],
+            requests_p1: 20_000,
+            requests_p16: 300_000,
+            requests_64k: 2_000,
+            requests_latency: 10_000,
+            requests_churn: 4_000,
+            requests_cluster: 100_000,
+            requests_moved: 10_000,
+            idle: 10_000,
+            out: default_out(),
+            note: None,
+            dir: None,
+            backend: None,
+            idle_note: None,
+            quick,
+            peers: None,
+            only: None,
+        };
+        // A smoke run: one round, fewer requests, the rest as in a full run.
         let mut s = if quick {
             Settings {
                 rounds: 1,
-                threads: vec![1, 2],
                 requests_p1: 10_000,
                 requests_p16: 50_000,
                 requests_64k: 1_000,
@@ -85,36 +105,10 @@ impl Settings {
                 requests_cluster: 20_000,
                 requests_moved: 6_000,
                 idle: 2_000,
-                out: default_out(),
-                note: None,
-                dir: None,
-                backend: None,
-                idle_note: None,
-                quick,
-                peers: None,
-                only: None,
+                ..full
             }
         } else {
-            Settings {
-                rounds: 5,
-                threads: vec![1, 2],
-                requests_p1: 20_000,
-                requests_p16: 300_000,
-                requests_64k: 2_000,
-                requests_latency: 10_000,
-                requests_churn: 4_000,
-                requests_cluster: 100_000,
-                requests_moved: 10_000,
-                idle: 10_000,
-                out: default_out(),
-                note: None,
-                dir: None,
-                backend: None,
-                idle_note: None,
-                quick,
-                peers: None,
-                only: None,
-            }
+            full
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
