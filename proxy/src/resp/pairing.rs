@@ -575,6 +575,21 @@ impl Pairing {
         }
     }
 
+    /// Whether the reply frame that starts with type byte `ty` is certainly the reply to
+    /// the plain command at the front: no monitor line, push or pub/sub frame can come
+    /// instead. It is then neither captured nor classified ([`Pairing::capture`] and
+    /// [`Pairing::classify_by_head`] say no to it).
+    pub fn plain_reply_due(&self, ty: u8) -> bool {
+        // An error may be a redirect (captured); a push or, subscribed in RESP2, an array
+        // may be out of band.
+        let maybe_other_frame = match ty {
+            b'-' | b'>' => true,
+            b'*' => !self.resp3 && self.subscribed,
+            _ => false,
+        };
+        !self.monitor && !maybe_other_frame && matches!(self.front(), Some(Expect::Other))
+    }
+
     /// What the next in-band reply answers (subscribe commands ahead of it aside), if known.
     pub fn next_in_band(&self) -> Option<&Expect> {
         self.queue.iter().map(|(e, _)| e).find(|e| {
@@ -605,6 +620,16 @@ impl Pairing {
     }
 
     fn place(&mut self, ty: u8, frame: Option<&Frame<'_>>, kind: Option<PubSubKind>) -> Answer {
+        // Most replies answer one of a run of plain commands, with nothing else due: the
+        // run is one shorter and nothing else changes, as `place_inner` would have it.
+        if self.plain_reply_due(ty) {
+            if let Some((Expect::Other, n)) = self.queue.front_mut() {
+                if *n > 1 {
+                    *n -= 1;
+                    return Answer::InBand(Expect::Other);
+                }
+            }
+        }
         let answer = self.place_inner(ty, frame, kind);
         if let (Answer::InBand(_), Some(Expect::ExecProtocol(resp3))) = (&answer, self.front()) {
             // The reply just placed is EXEC's: an array if the transaction ran.

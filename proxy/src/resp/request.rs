@@ -139,6 +139,9 @@ pub struct RequestScanner {
     doomed_cr: bool,
     /// The current argument's CRLF is wrong.
     bad_terminator: bool,
+    /// Whole commands are read in one pass ([`RequestScanner::whole_command`]); off only
+    /// in the test that holds that pass to the state machine.
+    one_pass: bool,
 }
 
 impl Default for RequestScanner {
@@ -161,6 +164,7 @@ impl RequestScanner {
             doomed_len: 0,
             doomed_cr: false,
             bad_terminator: false,
+            one_pass: true,
         }
     }
 
@@ -189,6 +193,15 @@ impl RequestScanner {
                 State::Start => {
                     self.cmd.reset();
                     self.line.clear();
+                    // Most commands arrive whole in one read: read in one pass, no state.
+                    if self.one_pass {
+                        if let Some(len) = self.whole_command(&buf[i..]) {
+                            on_command(&self.cmd);
+                            i += len;
+                            continue;
+                        }
+                        self.cmd.reset();
+                    }
                     if buf[i] == b'*' {
                         i += 1;
                         self.state = State::Count;
@@ -304,6 +317,34 @@ impl RequestScanner {
         Ok(())
     }
 
+    /// The length of the command at the start of `buf` if it is there whole and in the
+    /// form every client library sends (`*<n>`, then `$<len>` and the payload for each
+    /// argument, numbers without sign or leading zero, every line ended by CRLF), with its
+    /// name and kept arguments in `self.cmd`. `None` for anything else (a command split
+    /// over reads, an inline command, anything Valkey would answer with an error), which
+    /// the state machine then reads from the start, so both read every stream alike.
+    #[inline]
+    fn whole_command(&mut self, buf: &[u8]) -> Option<usize> {
+        let (argc, mut at) = header(buf, b'*', self.max_line)?;
+        if argc == 0 || argc > i64::from(i32::MAX) as u64 {
+            return None;
+        }
+        for index in 0..argc {
+            let (len, payload) = header(buf.get(at..)?, b'$', self.max_line)?;
+            let start = at + payload;
+            let end = start.checked_add(usize::try_from(len).ok()?)?;
+            if buf.get(end..end.checked_add(2)?)? != b"\r\n" {
+                return None;
+            }
+            if index == 0 || (index < KEPT_ARGS as u64 && self.cmd.wants_args()) {
+                self.cmd.keep(index, &buf[start..end]);
+            }
+            at = end + 2;
+        }
+        self.cmd.argc = argc;
+        Some(at)
+    }
+
     /// A line without its CR. A RESP header line (`*<n>`, `$<n>`) ends at its first CR,
     /// which Valkey requires to be followed by LF ("invalid CRLF in request"), and a header
     /// ended by a bare LF is no number ("invalid ... length"); an inline line ends at its LF,
@@ -397,6 +438,30 @@ impl RequestScanner {
         }
         Ok(())
     }
+}
+
+/// A `<ty><digits>\r\n` header at the start of `buf`, its digits a number without sign
+/// or leading zero (`0` alone excepted) that fits in 18 digits, its line no longer than
+/// `max_line`: the number and the header's length. `None` for anything else, and for a
+/// header not all in `buf`.
+#[inline]
+fn header(buf: &[u8], ty: u8, max_line: usize) -> Option<(u64, usize)> {
+    let rest = buf.strip_prefix(&[ty])?;
+    let mut n: u64 = 0;
+    let mut digits = 0;
+    for &b in rest.iter().take(19) {
+        if !b.is_ascii_digit() {
+            break;
+        }
+        n = n * 10 + u64::from(b - b'0');
+        digits += 1;
+    }
+    let valid = (1..=18).contains(&digits)
+        && (rest.first() != Some(&b'0') || digits == 1)
+        && rest.get(digits..digits + 2)? == b"\r\n"
+        // The state machine's line: the digits and the CR.
+        && digits < max_line;
+    valid.then_some((n, digits + 3))
 }
 
 fn invalid_length(line: &[u8]) -> RespError {
@@ -544,6 +609,64 @@ mod tests {
         Ok(out)
     }
 
+    type EveryArg = (Vec<(Vec<Vec<u8>>, u64)>, Result<(), RespError>);
+
+    /// Every kept argument and the count of each command, and how the stream ended, fed in
+    /// two reads cut at `split`, lines up to `max_line`, with the one-pass read on or off.
+    fn every_arg(input: &[u8], split: usize, max_line: usize, one_pass: bool) -> EveryArg {
+        let mut s = RequestScanner::new(max_line);
+        s.one_pass = one_pass;
+        let mut out = vec![];
+        let mut note = |c: &Command| {
+            out.push(((0..KEPT_ARGS).map(|i| c.arg(i).to_vec()).collect(), c.argc))
+        };
+        let (a, b) = input.split_at(split);
+        let r = s.feed(a, &mut note).and_then(|()| s.feed(b, &mut note));
+        (out, r)
+    }
+
+    /// A command as a client sends it, or something near it: odd numbers, a missing CR,
+    /// an inline command, an empty one.
+    fn request_piece() -> impl Strategy<Value = Vec<u8>> {
+        let arg = prop_oneof![
+            Just(b"CLUSTER".to_vec()),
+            Just(b"client".to_vec()),
+            Just(b"INFO".to_vec()),
+            Just(b"nodes".to_vec()),
+            Just(b"reply".to_vec()),
+            Just(b"get".to_vec()),
+            Just(vec![]),
+            proptest::collection::vec(any::<u8>(), 0..48),
+        ];
+        let number = prop_oneof![
+            4 => Just(None),
+            1 => prop_oneof![
+                Just("0".to_string()),
+                Just("01".to_string()),
+                Just("-1".to_string()),
+                Just("+2".to_string()),
+                Just("99999999999999999999".to_string()),
+                Just("1 ".to_string()),
+            ].prop_map(Some),
+        ];
+        prop_oneof![
+            4 => (proptest::collection::vec((arg, number.clone()), 1..5), number).prop_map(|(args, count)| {
+                let mut v = format!("*{}\r\n", count.unwrap_or_else(|| args.len().to_string())).into_bytes();
+                for (a, len) in args {
+                    v.extend(format!("${}\r\n", len.unwrap_or_else(|| a.len().to_string())).bytes());
+                    v.extend(a);
+                    v.extend(b"\r\n");
+                }
+                v
+            }),
+            1 => Just(b"*0\r\n".to_vec()),
+            1 => Just(b"*-1\r\n".to_vec()),
+            1 => Just(b"PING\r\n".to_vec()),
+            1 => Just(b"client reply off\n".to_vec()),
+            1 => Just(b"*1\n$4\r\nPING\r\n".to_vec()),
+        ]
+    }
+
     const PIPELINE: &[u8] = b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$10\r\n0123456789\r\nPING\r\n  cluster   nodes  \r\n*1\r\n$5\r\nMULTI\r\n";
 
     #[test]
@@ -661,6 +784,34 @@ mod tests {
         #[test]
         fn any_split_gives_the_same_commands(cuts in proptest::collection::vec(0usize..200, 0..10)) {
             prop_assert_eq!(commands(PIPELINE, &cuts).unwrap(), commands(PIPELINE, &[]).unwrap());
+        }
+
+        /// Whole commands are read in one pass (`whole_command`), anything else by the
+        /// state machine: with the pass on or off, a stream gives the same commands and
+        /// fails at the same point, valid RESP or not, whole or cut in two.
+        #[test]
+        fn the_one_pass_read_agrees_with_the_state_machine(
+            pieces in proptest::collection::vec(request_piece(), 1..8),
+            flip in proptest::option::of((any::<prop::sample::Index>(), any::<u8>())),
+            cut in proptest::option::of(any::<prop::sample::Index>()),
+            split in any::<prop::sample::Index>(),
+            max_line in prop_oneof![Just(1usize), Just(2), Just(3), Just(40)],
+        ) {
+            let mut input: Vec<u8> = pieces.concat();
+            if let Some((at, byte)) = flip {
+                let at = at.index(input.len());
+                input[at] = byte;
+            }
+            if let Some(cut) = cut {
+                input.truncate(cut.index(input.len() + 1));
+            }
+            let split = split.index(input.len() + 1);
+            prop_assert_eq!(
+                every_arg(&input, split, max_line, true),
+                every_arg(&input, split, max_line, false),
+                "{:?}",
+                String::from_utf8_lossy(&input)
+            );
         }
 
         #[test]

@@ -132,6 +132,9 @@ pub struct Scanner {
     in_frame: bool,
     /// After an error the stream cannot be followed any more: every later call fails too.
     failed: Option<RespError>,
+    /// A top-level bulk string that is all in the buffer is read in one pass
+    /// ([`whole_bulk`]); off only in the test that holds that pass to the state machine.
+    one_pass: bool,
 }
 
 impl Default for Scanner {
@@ -149,6 +152,7 @@ impl Scanner {
             max_line,
             in_frame: false,
             failed: None,
+            one_pass: true,
         }
     }
 
@@ -189,6 +193,14 @@ impl Scanner {
         while i < buf.len() {
             let step = match self.state {
                 State::Type => {
+                    // Most replies are a bulk string (GET's) all in one read.
+                    if self.one_pass && self.stack.is_empty() {
+                        if let Some(end) = whole_bulk(&buf[i..], self.max_line) {
+                            // It may end a frame begun with an attribute.
+                            self.in_frame = false;
+                            return Ok(Part::Complete { end: i + end });
+                        }
+                    }
                     let ty = buf[i];
                     i += 1;
                     self.in_frame = true;
@@ -363,6 +375,28 @@ pub(crate) fn check_terminator(bytes: &[u8], left: u64) -> Result<(), RespError>
     Ok(())
 }
 
+/// The length of the bulk string at the start of `buf` if it is there whole (`$`, 1 to
+/// 18 digits, CRLF, the payload, CRLF) and its header line fits in `max_line`: a frame the
+/// state machine reads alike. `None` for anything else, left to the state machine.
+#[inline]
+fn whole_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
+    let rest = buf.strip_prefix(b"$")?;
+    let mut n: u64 = 0;
+    let mut digits = 0;
+    for &b in rest.iter().take(19) {
+        if !b.is_ascii_digit() {
+            break;
+        }
+        n = n * 10 + u64::from(b - b'0');
+        digits += 1;
+    }
+    if !(1..=18).contains(&digits) || digits > max_line || rest.get(digits..digits + 2)? != b"\r\n" {
+        return None;
+    }
+    let end = (digits + 3).checked_add(usize::try_from(n).ok()?)?;
+    (buf.get(end..end.checked_add(2)?)? == b"\r\n").then_some(end + 2)
+}
+
 /// A line whose text the scanner does not need: it is skipped, not kept.
 fn is_simple(ty: u8) -> bool {
     matches!(ty, b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(')
@@ -395,7 +429,9 @@ fn parse_len(body: &[u8]) -> Result<Option<u64>, RespError> {
         b"-1" => Ok(None),
         b"?" => Err(RespError::Streamed),
         [] => Err(bad()),
-        digits if digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit) => Ok(Some(
+        // 18 digits at most, as the frame parser reads them (`frame::Parser::len`): the
+        // two must agree on where a frame ends.
+        digits if digits.len() <= 18 && digits.iter().all(u8::is_ascii_digit) => Ok(Some(
             digits
                 .iter()
                 .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
@@ -449,6 +485,43 @@ mod tests {
             start = b;
         }
         Ok(out)
+    }
+
+    /// A reply, or something near it: bulk strings with odd lengths and payloads, in and
+    /// out of arrays, and other frames.
+    fn reply_piece() -> impl Strategy<Value = Vec<u8>> {
+        let len = prop_oneof![
+            4 => Just(None),
+            1 => prop_oneof![
+                Just("007".to_string()),
+                Just("-1".to_string()),
+                Just("?".to_string()),
+                Just("9999999999999999999".to_string()),
+                Just("1234567890123".to_string()),
+                Just("".to_string()),
+                Just("2 ".to_string()),
+            ].prop_map(Some),
+        ];
+        let bulk = (proptest::collection::vec(any::<u8>(), 0..40), len).prop_map(|(p, len)| {
+            let mut v = format!("${}\r\n", len.unwrap_or_else(|| p.len().to_string())).into_bytes();
+            v.extend(p);
+            v.extend(b"\r\n");
+            v
+        });
+        prop_oneof![
+            4 => bulk.clone(),
+            1 => proptest::collection::vec(bulk, 0..3).prop_map(|items| {
+                let mut v = format!("*{}\r\n", items.len()).into_bytes();
+                v.extend(items.concat());
+                v
+            }),
+            1 => Just(b"+OK\r\n".to_vec()),
+            // An attribute: the frame it annotates follows.
+            1 => Just(b"|1\r\n+a\r\n:1\r\n".to_vec()),
+            1 => Just(b":12\r\n".to_vec()),
+            1 => Just(b"$3\r\nab\r\n".to_vec()),
+            1 => Just(SAMPLE.to_vec()),
+        ]
     }
 
     const SAMPLE: &[u8] = b"+OK\r\n$3\r\nbar\r\n$-1\r\n*-1\r\n:42\r\n-MOVED 12182 127.0.10.3:6379\r\n*3\r\n:0\r\n:5460\r\n*4\r\n$10\r\n127.0.10.1\r\n:6379\r\n$2\r\nid\r\n%1\r\n$8\r\nhostname\r\n_\r\n*0\r\n%0\r\n=8\r\ntxt:ab\r\n\r\n>3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$0\r\n\r\n|1\r\n+key\r\n+val\r\n#t\r\n,1.5\r\n(123\r\n!3\r\nERR\r\n~2\r\n:1\r\n:2\r\n";
@@ -611,6 +684,45 @@ mod tests {
             if let Ok(w) = whole {
                 prop_assert_eq!(got, w);
             }
+        }
+
+        /// Whole bulk strings are read in one pass (`whole_bulk`), anything else by the
+        /// state machine: with the pass on or off, a stream gives the same frames and
+        /// fails at the same point, valid RESP or not, whole or cut in two.
+        #[test]
+        fn the_one_pass_read_agrees_with_the_state_machine(
+            pieces in proptest::collection::vec(reply_piece(), 1..8),
+            flip in proptest::option::of((any::<prop::sample::Index>(), any::<u8>())),
+            split in any::<prop::sample::Index>(),
+            max_line in prop_oneof![Just(1usize), Just(2), Just(12), Just(64 * 1024)],
+        ) {
+            let mut input: Vec<u8> = pieces.concat();
+            if let Some((at, byte)) = flip {
+                let at = at.index(input.len());
+                input[at] = byte;
+            }
+            let split = split.index(input.len() + 1);
+            let run = |one_pass: bool| {
+                let mut s = Scanner::new(max_line);
+                s.one_pass = one_pass;
+                let mut got = vec![];
+                let (a, b) = input.split_at(split);
+                for (start, piece) in [(0, a), (split, b)] {
+                    let mut i = 0;
+                    while i < piece.len() {
+                        match s.scan(piece, i) {
+                            Ok(Scan::Complete { end }) => {
+                                got.push(Ok((start + end, s.in_frame())));
+                                i = end;
+                            }
+                            Ok(Scan::Incomplete) => break,
+                            Err(e) => { got.push(Err(e)); return got; }
+                        }
+                    }
+                }
+                got
+            };
+            prop_assert_eq!(run(true), run(false), "{:?}", String::from_utf8_lossy(&input));
         }
 
         #[test]

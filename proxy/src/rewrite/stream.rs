@@ -16,6 +16,7 @@
 //!   connection closes: streaming it would leak internal addresses).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use tokio::sync::Notify;
@@ -52,6 +53,9 @@ pub struct Shared {
     pub pairing: Mutex<Pairing>,
     /// Woken when the reply side has taken expected replies off a long queue.
     room: Notify,
+    /// The request side waits for `room`: only then does the reply side wake it (a wake-up
+    /// takes a lock, and the reply side would take it on every read).
+    waiting: AtomicBool,
 }
 
 /// Queue entries (runs of like commands) that the request side may run ahead of the replies
@@ -68,15 +72,23 @@ impl Shared {
         Shared {
             pairing: Mutex::new(Pairing::new(rewrite_info)),
             room: Notify::new(),
+            waiting: AtomicBool::new(false),
         }
     }
 
     /// Waits until the queue of expected replies is short enough to read more requests.
     pub async fn room_for_requests(&self) {
+        // Almost always: room, and no waiter to register (two more locks per read).
+        if self.pairing().entries() < MAX_PENDING {
+            return;
+        }
         loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // Set before the queue is looked at, under the lock the reply side takes before
+            // it shortens the queue: either the look sees room, or the reply side sees this.
+            self.waiting.store(true, Ordering::SeqCst);
             if self.pairing().entries() < MAX_PENDING {
                 return;
             }
@@ -340,7 +352,7 @@ impl ReplySide {
                 self.give_up(lost, out);
             }
         }
-        if pairing.entries() < MAX_PENDING / 2 {
+        if pairing.entries() < MAX_PENDING / 2 && shared.waiting.swap(false, Ordering::SeqCst) {
             shared.room.notify_waiters();
         }
         Ok(())
@@ -351,6 +363,12 @@ impl ReplySide {
         self.ty = ty;
         self.element = 0;
         self.placed = false;
+        if pairing.plain_reply_due(ty) {
+            debug_assert!(!pairing.classify_by_head(ty) && !pairing.capture(ty));
+            self.mode = Mode::Stream;
+            self.capture = None;
+            return;
+        }
         let (mode, capture) = if pairing.classify_by_head(ty) {
             let mode = Mode::PubSub {
                 first: None,
@@ -670,9 +688,13 @@ mod tests {
         requests
             .observe(&b"PING\r\nROLE\r\n".repeat(n), &shared)
             .unwrap();
-        let wait = tokio::time::timeout(Duration::from_millis(50), shared.room_for_requests());
+        // The same wait, parked and then woken by the replies (a bound, not a pause: it
+        // ends as soon as it is woken).
+        let mut wait = Box::pin(shared.room_for_requests());
         assert!(
-            wait.await.is_err(),
+            tokio::time::timeout(Duration::from_millis(50), &mut wait)
+                .await
+                .is_err(),
             "read on with {} entries queued",
             shared.pairing().entries()
         );
@@ -688,8 +710,8 @@ mod tests {
             &mut report,
         )
         .unwrap();
-        let wait = tokio::time::timeout(Duration::from_secs(1), shared.room_for_requests());
-        assert!(wait.await.is_ok());
+        let woken = tokio::time::timeout(Duration::from_secs(10), wait);
+        assert!(woken.await.is_ok(), "the waiting request side was not woken");
         assert_eq!(shared.pairing().pending(), 0);
     }
 
