@@ -376,11 +376,15 @@ pub(crate) fn check_terminator(bytes: &[u8], left: u64) -> Result<(), RespError>
 }
 
 /// The length of the bulk string at the start of `buf` if it is there whole (`$`, 1 to
-/// 18 digits, CRLF, the payload, CRLF) and its header line fits in `max_line`: a frame the
-/// state machine reads alike. `None` for anything else, left to the state machine.
+/// 18 digits, CRLF, the payload, CRLF; or `$-1` CRLF) and its header line fits in
+/// `max_line`: a frame the state machine reads alike. `None` for anything else, left to the state machine.
 #[inline]
 fn whole_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
     let rest = buf.strip_prefix(b"$")?;
+    if rest.starts_with(b"-1\r\n") {
+        // A null bulk string (GET of a missing key).
+        return (max_line >= 2).then_some(5);
+    }
     let mut n: u64 = 0;
     let mut digits = 0;
     for &b in rest.iter().take(19) {
@@ -520,6 +524,7 @@ mod tests {
             1 => Just(b"|1\r\n+a\r\n:1\r\n".to_vec()),
             1 => Just(b":12\r\n".to_vec()),
             1 => Just(b"$3\r\nab\r\n".to_vec()),
+            1 => Just(b"$-1\r\n".to_vec()),
             1 => Just(SAMPLE.to_vec()),
         ]
     }

@@ -365,7 +365,10 @@ impl ReplySide {
         self.placed = false;
         if pairing.plain_reply_due(ty) {
             debug_assert!(!pairing.classify_by_head(ty) && !pairing.capture(ty));
-            self.mode = Mode::Stream;
+            // Stream already, as a frame ends (no drop to run).
+            if !matches!(self.mode, Mode::Stream) {
+                self.mode = Mode::Stream;
+            }
             self.capture = None;
             return;
         }
