@@ -33,10 +33,73 @@ pub fn is_nodes(f: &Frame<'_>) -> bool {
         Frame::Verbatim(v) if v.starts_with(b"txt:") => &v[4..],
         _ => return false,
     };
-    let Some(body) = text.strip_suffix(b"\n") else {
+    if !text.ends_with(b"\n") {
         return false;
+    }
+    // Every field of every line, in one scan for the separators: a reply of a large cluster
+    // has thousands of short fields, and this check runs before every rewrite.
+    let (mut field, mut start) = (0, 0);
+    let mut field_ends = |end: usize| {
+        let ok = node_field(field, &text[start..end]);
+        if text[end] == b'\n' {
+            // At least the eight fields up to the link state.
+            if field < 7 {
+                return false;
+            }
+            field = 0;
+        } else {
+            field += 1;
+        }
+        start = end + 1;
+        ok
     };
-    body.split(|&b| b == b'\n').all(is_node_line)
+    separators(text, &mut field_ends)
+}
+
+/// Calls `at` with the position of each space and newline in `text`, in order, until it
+/// returns false; returns whether it never did. Eight bytes are tested at a time (SWAR):
+/// the separators of a NODES reply are a few bytes apart, too close for a memchr call per
+/// field to pay off.
+fn separators(text: &[u8], at: &mut impl FnMut(usize) -> bool) -> bool {
+    const LOW: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    const SPACES: u64 = 0x2020_2020_2020_2020;
+    const NEWLINES: u64 = 0x0a0a_0a0a_0a0a_0a0a;
+    // The high bit of each byte of `x` that is zero, and of no other (exact, unlike the
+    // shorter `(x - 0x01..) & !x & 0x80..`, which may mark a byte after a zero one).
+    let zeros = |x: u64| !(((x & LOW) + LOW) | x | LOW);
+    let mut words = text.chunks_exact(8);
+    let mut base = 0;
+    for word in &mut words {
+        let x = u64::from_le_bytes([
+            word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
+        ]);
+        let mut found = zeros(x ^ SPACES) | zeros(x ^ NEWLINES);
+        while found != 0 {
+            if !at(base + found.trailing_zeros() as usize / 8) {
+                return false;
+            }
+            found &= found - 1;
+        }
+        base += 8;
+    }
+    for (i, b) in words.remainder().iter().enumerate() {
+        if matches!(b, b' ' | b'\n') && !at(base + i) {
+            return false;
+        }
+    }
+    true
+}
+
+/// The lines of `text`, split at each newline (one more than the newlines), found by
+/// memchr: a per-byte split costs more than the whole rewrite of a large reply.
+fn lines(text: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut start = 0;
+    let ends = memchr::memchr_iter(b'\n', text).chain(std::iter::once(text.len()));
+    ends.map(move |end| {
+        let line = &text[start..end];
+        start = end + 1;
+        line
+    })
 }
 
 /// Whether `f` has the exact shape of a CLUSTER REPLICAS reply: an array of bulk strings,
@@ -53,34 +116,44 @@ pub fn is_replicas(f: &Frame<'_>) -> bool {
 /// `<id> <ip:port@cport[,hostname]> <flags> <primary-id|-> <ping> <pong> <epoch>
 /// <link-state> [<slot>...]`, as `clusterGenNodeDescription` writes it.
 fn is_node_line(line: &[u8]) -> bool {
-    // One pass over the bytes, each field checked as its space is found, with no
-    // allocation: a large cluster's reply has hundreds of lines, and this check runs before
-    // every rewrite.
+    // One pass over the bytes with no allocation, the spaces found by memchr and each field
+    // checked as its space is found: a large cluster's reply has hundreds of lines, and
+    // this check runs before every rewrite.
     let mut field = 0;
     let mut start = 0;
-    for (i, &b) in line.iter().enumerate() {
-        if b == b' ' {
-            if !node_field(field, &line[start..i]) {
-                return false;
-            }
-            field += 1;
-            start = i + 1;
+    for space in memchr::memchr_iter(b' ', line) {
+        if !node_field(field, &line[start..space]) {
+            return false;
         }
+        field += 1;
+        start = space + 1;
     }
     // At least the eight fields up to the link state; none empty (a trailing space leaves an
     // empty last one).
     field >= 7 && node_field(field, &line[start..])
 }
 
+/// A node id: 40 hex digits. Checked as a fixed-size array with no early exit, which the
+/// compiler turns into a few vector compares.
+fn is_id(f: &[u8]) -> bool {
+    let Ok(id) = <&[u8; 40]>::try_from(f) else {
+        return false;
+    };
+    id.iter().fold(true, |ok, &b| {
+        // `b | 0x20` is in a..=f exactly for A..=F and a..=f.
+        ok & (b.is_ascii_digit() | matches!(b | 0x20, b'a'..=b'f'))
+    })
+}
+
+/// Decimal digits, at least one.
+fn is_number(f: &[u8]) -> bool {
+    !f.is_empty() && f.iter().fold(true, |ok, b| ok & b.is_ascii_digit())
+}
+
 /// Field `k` of a node line, as `clusterGenNodeDescription` writes it.
 fn node_field(k: usize, f: &[u8]) -> bool {
-    // Folded without an early exit, so that the compiler checks many bytes at a time: a
-    // line's ids and numbers are most of its bytes.
-    let id = |f: &[u8]| f.len() == 40 && f.iter().fold(true, |ok, b| ok & b.is_ascii_hexdigit());
-    let number =
-        |f: &[u8]| !f.is_empty() && f.iter().fold(true, |ok, b| ok & b.is_ascii_digit());
     match k {
-        0 => id(f),
+        0 => is_id(f),
         // ip:port@cport[,hostname]
         1 => {
             let Some(at) = memchr::memchr(b'@', f) else {
@@ -88,15 +161,15 @@ fn node_field(k: usize, f: &[u8]) -> bool {
             };
             let (hostport, tail) = (&f[..at], &f[at + 1..]);
             let cport = &tail[..memchr::memchr(b',', tail).unwrap_or(tail.len())];
-            memchr::memrchr(b':', hostport).is_some_and(|c| number(&hostport[c + 1..]))
-                && number(cport)
+            memchr::memrchr(b':', hostport).is_some_and(|c| is_number(&hostport[c + 1..]))
+                && is_number(cport)
         }
         // The flags.
         2 => !f.is_empty(),
         // The primary's id, or `-`.
-        3 => f == b"-" || id(f),
+        3 => f == b"-" || is_id(f),
         // Ping sent, pong received, config epoch.
-        4..=6 => number(f),
+        4..=6 => is_number(f),
         7 => matches!(f, b"connected" | b"disconnected"),
         // The slots.
         _ => !f.is_empty(),
@@ -114,7 +187,7 @@ pub fn replicas(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
 fn rewrite_text(map: &AddressMap, text: &[u8], report: &mut Report) -> Option<Vec<u8>> {
     let before = report.rewritten;
     let mut out = Vec::with_capacity(text.len() + 64);
-    for (n, line) in text.split(|&b| b == b'\n').enumerate() {
+    for (n, line) in lines(text).enumerate() {
         if n > 0 {
             out.push(b'\n');
         }
@@ -125,22 +198,26 @@ fn rewrite_text(map: &AddressMap, text: &[u8], report: &mut Report) -> Option<Ve
 
 /// One line; appends it, rewritten or not, to `out`.
 fn rewrite_line(map: &AddressMap, line: &[u8], out: &mut Vec<u8>, report: &mut Report) {
-    let mut fields = line.splitn(3, |&b| b == b' ');
-    let (Some(id), Some(addr)) = (fields.next(), fields.next()) else {
+    // `<id> <addr> <rest>`, split at the first two spaces.
+    let Some(s0) = memchr::memchr(b' ', line) else {
         out.extend_from_slice(line);
         return;
     };
-    let rest = fields.next();
+    let (id, after) = (&line[..s0], &line[s0 + 1..]);
+    let (addr, rest) = match memchr::memchr(b' ', after) {
+        Some(s1) => (&after[..s1], Some(&after[s1 + 1..])),
+        None => (after, None),
+    };
     // ip:port@cport[,hostname]
-    let (hostport, tail) = match addr.iter().position(|&b| b == b'@') {
+    let (hostport, tail) = match memchr::memchr(b'@', addr) {
         Some(at) => (&addr[..at], &addr[at..]),
         None => (addr, &b""[..]),
     };
-    let (cport, hostname) = match tail.iter().position(|&b| b == b',') {
+    let (cport, hostname) = match memchr::memchr(b',', tail) {
         Some(c) => (&tail[..c], Some(&tail[c + 1..])),
         None => (tail, None),
     };
-    let colon = hostport.iter().rposition(|&b| b == b':');
+    let colon = memchr::memrchr(b':', hostport);
     let (ip, port) = match colon {
         Some(c) => (&hostport[..c], parse_port(&hostport[c + 1..])),
         None => (hostport, None),
@@ -239,6 +316,39 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn separators_are_the_spaces_and_newlines(text in prop::collection::vec(prop::sample::select(vec![b' ', b'\n', b'a', 0x20 ^ 0x80, 0x0a ^ 0x80, 0, 0xff, 0x21, 0x1f]), 0..40)) {
+            let want: Vec<usize> = (0..text.len()).filter(|&i| matches!(text[i], b' ' | b'\n')).collect();
+            let mut got = vec![];
+            let all = separators(&text, &mut |i| {
+                got.push(i);
+                true
+            });
+            prop_assert!(all);
+            prop_assert_eq!(got, want);
+        }
+
+        /// Replies of real lines with bytes replaced, removed or added: the one-scan check
+        /// of the whole reply says what the reference says of each line.
+        #[test]
+        fn a_reply_is_checked_as_its_lines_are(
+            lines in prop::collection::vec(prop::sample::select(vec![PRIMARY, REPLICA]), 1..4),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), prop::sample::select(vec![b' ', b'\n', b'@', b':', b'0', b'x']), 0u8..3), 0..3),
+        ) {
+            let mut text = lines.join("\n").into_bytes();
+            text.push(b'\n');
+            for (at, byte, op) in edits {
+                let i = at.index(text.len() + 1);
+                match op {
+                    0 if i < text.len() => text[i] = byte,
+                    1 if i < text.len() => { text.remove(i); }
+                    _ => text.insert(i, byte),
+                }
+            }
+            let want = text.strip_suffix(b"\n").is_some_and(|body| body.split(|&b| b == b'\n').all(reference));
+            prop_assert_eq!(is_nodes(&Frame::Bulk(text.clone().into())), want, "{}", text.escape_ascii());
+        }
+
         /// Real lines with bytes replaced, removed or added: the one-pass check says what
         /// the reference says.
         #[test]
