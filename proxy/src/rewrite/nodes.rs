@@ -6,54 +6,74 @@ use super::addresses::{parse_port, AddressMap};
 use super::Report;
 use crate::resp::frame::Frame;
 
-/// `CLUSTER NODES`: a bulk string (RESP2) or a `txt:` verbatim string (RESP3).
-pub fn nodes(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
+/// `CLUSTER NODES`: a bulk string (RESP2) or a `txt:` verbatim string (RESP3) of node
+/// lines, each ended by a newline. Each line's shape is checked as it is rewritten, in one
+/// pass; `Err` (and nothing rewritten or reported) if the reply does not have that shape.
+pub fn nodes(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) -> Result<(), NotNodes> {
     match f {
         Frame::Bulk(text) => {
-            if let Some(new) = rewrite_text(map, text, report) {
+            if let Some(new) = checked_rewrite(map, text, report)? {
                 *text = Cow::Owned(new);
             }
         }
-        Frame::Verbatim(v) if v.len() >= 4 => {
-            if let Some(new) = rewrite_text(map, &v[4..], report) {
+        Frame::Verbatim(v) if v.starts_with(b"txt:") => {
+            if let Some(new) = checked_rewrite(map, &v[4..], report)? {
                 let mut out = v[..4].to_vec();
                 out.extend_from_slice(&new);
                 *v = Cow::Owned(out);
             }
         }
-        _ => {}
+        _ => return Err(NotNodes),
     }
+    Ok(())
 }
 
-/// Whether `f` has the exact shape of a CLUSTER NODES reply: a string (RESP2 bulk or RESP3
-/// `txt:` verbatim) of node lines, each ended by a newline.
-pub fn is_nodes(f: &Frame<'_>) -> bool {
-    let text = match f {
-        Frame::Bulk(t) => &t[..],
-        Frame::Verbatim(v) if v.starts_with(b"txt:") => &v[4..],
-        _ => return false,
-    };
-    if !text.ends_with(b"\n") {
-        return false;
-    }
-    // Every field of every line, in one scan for the separators: a reply of a large cluster
-    // has thousands of short fields, and this check runs before every rewrite.
-    let (mut field, mut start) = (0, 0);
-    let mut field_ends = |end: usize| {
-        let ok = node_field(field, &text[start..end]);
-        if text[end] == b'\n' {
-            // At least the eight fields up to the link state.
+/// A reply that answered CLUSTER NODES without the shape of its reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotNodes;
+
+/// The node lines of `text` with their addresses rewritten, `None` if none was, `Err` if
+/// a line is not a node line (`report` is then as it was).
+fn checked_rewrite(
+    map: &AddressMap,
+    text: &[u8],
+    report: &mut Report,
+) -> Result<Option<Vec<u8>>, NotNodes> {
+    let before = (report.rewritten, report.unknown.len());
+    let mut out = Vec::with_capacity(text.len() + 64);
+    let ok = text.ends_with(b"\n") && {
+        // The line in progress: where it and its current field start, the field's index,
+        // and where its first two fields (the id and the address) end.
+        let (mut line, mut start, mut field, mut ends) = (0, 0, 0, [0; 2]);
+        separators(text, &mut |end| {
+            if !node_field(field, &text[start..end]) {
+                return false;
+            }
+            if field < 2 {
+                ends[field] = end;
+            }
+            start = end + 1;
+            if text[end] == b' ' {
+                field += 1;
+                return true;
+            }
+            // A newline: at least the eight fields up to the link state.
             if field < 7 {
                 return false;
             }
-            field = 0;
-        } else {
-            field += 1;
-        }
-        start = end + 1;
-        ok
+            let (id, addr) = (&text[line..ends[0]], &text[ends[0] + 1..ends[1]]);
+            rewrite_fields(map, &text[line..end], id, addr, Some(&text[ends[1] + 1..end]), &mut out, report);
+            out.push(b'\n');
+            (line, field) = (start, 0);
+            true
+        })
     };
-    separators(text, &mut field_ends)
+    if !ok {
+        report.rewritten = before.0;
+        report.unknown.truncate(before.1);
+        return Err(NotNodes);
+    }
+    Ok((report.rewritten > before.0).then_some(out))
 }
 
 /// Calls `at` with the position of each space and newline in `text`, in order, until it
@@ -88,18 +108,6 @@ fn separators(text: &[u8], at: &mut impl FnMut(usize) -> bool) -> bool {
         }
     }
     true
-}
-
-/// The lines of `text`, split at each newline (one more than the newlines), found by
-/// memchr: a per-byte split costs more than the whole rewrite of a large reply.
-fn lines(text: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut start = 0;
-    let ends = memchr::memchr_iter(b'\n', text).chain(std::iter::once(text.len()));
-    ends.map(move |end| {
-        let line = &text[start..end];
-        start = end + 1;
-        line
-    })
 }
 
 /// Whether `f` has the exact shape of a CLUSTER REPLICAS reply: an array of bulk strings,
@@ -180,20 +188,15 @@ fn node_field(k: usize, f: &[u8]) -> bool {
 pub fn replicas(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     let Frame::Array(_, items) = f else { return };
     for item in items {
-        nodes(map, item, report);
-    }
-}
-
-fn rewrite_text(map: &AddressMap, text: &[u8], report: &mut Report) -> Option<Vec<u8>> {
-    let before = report.rewritten;
-    let mut out = Vec::with_capacity(text.len() + 64);
-    for (n, line) in lines(text).enumerate() {
-        if n > 0 {
-            out.push(b'\n');
+        if let Frame::Bulk(line) = item {
+            let before = report.rewritten;
+            let mut out = Vec::with_capacity(line.len() + 64);
+            rewrite_line(map, line, &mut out, report);
+            if report.rewritten > before {
+                *line = Cow::Owned(out);
+            }
         }
-        rewrite_line(map, line, &mut out, report);
     }
-    (report.rewritten > before).then_some(out)
 }
 
 /// One line; appends it, rewritten or not, to `out`.
@@ -208,6 +211,20 @@ fn rewrite_line(map: &AddressMap, line: &[u8], out: &mut Vec<u8>, report: &mut R
         Some(s1) => (&after[..s1], Some(&after[s1 + 1..])),
         None => (after, None),
     };
+    rewrite_fields(map, line, id, addr, rest, out, report);
+}
+
+/// One line split into its id, its address and the rest; appends it, rewritten or not, to
+/// `out`.
+fn rewrite_fields(
+    map: &AddressMap,
+    line: &[u8],
+    id: &[u8],
+    addr: &[u8],
+    rest: Option<&[u8]>,
+    out: &mut Vec<u8>,
+    report: &mut Report,
+) {
     // ip:port@cport[,hostname]
     let (hostport, tail) = match memchr::memchr(b'@', addr) {
         Some(at) => (&addr[..at], &addr[at..]),
@@ -346,7 +363,8 @@ mod tests {
                 }
             }
             let want = text.strip_suffix(b"\n").is_some_and(|body| body.split(|&b| b == b'\n').all(reference));
-            prop_assert_eq!(is_nodes(&Frame::Bulk(text.clone().into())), want, "{}", text.escape_ascii());
+            let got = checked_rewrite(&AddressMap::default(), &text, &mut Report::default());
+            prop_assert_eq!(got.is_ok(), want, "{}", text.escape_ascii());
         }
 
         /// Real lines with bytes replaced, removed or added: the one-pass check says what
