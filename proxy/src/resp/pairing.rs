@@ -260,6 +260,9 @@ pub struct Pairing {
     /// Whether the server speaks RESP3 (a HELLO 3 was answered with a map). In RESP3 only a
     /// push frame (`>`) is out of band: an array is a reply, whatever its first element.
     resp3: bool,
+    /// Every reply placed by the general rules, without the shortcut for a run of plain
+    /// commands: only in the test that holds the two to each other.
+    general_only: bool,
 }
 
 impl Pairing {
@@ -622,7 +625,7 @@ impl Pairing {
     fn place(&mut self, ty: u8, frame: Option<&Frame<'_>>, kind: Option<PubSubKind>) -> Answer {
         // Most replies answer one of a run of plain commands, with nothing else due: the
         // run is one shorter and nothing else changes, as `place_inner` would have it.
-        if self.plain_reply_due(ty) {
+        if !self.general_only && self.plain_reply_due(ty) {
             if let Some((Expect::Other, n)) = self.queue.front_mut() {
                 if *n > 1 {
                     *n -= 1;
@@ -893,6 +896,77 @@ mod tests {
     }
 
     use Answer::{InBand, OutOfBand};
+
+    /// Commands and replies of every kind the pairing tells apart (a monitor line, pub/sub
+    /// confirmations and messages in both protocols, EXEC's array, HELLO's map).
+    const REQUESTS: &[&[u8]] = &[
+        b"GET a\r\n",
+        b"GET a\r\nGET b\r\nSET c d\r\n",
+        b"PING\r\n",
+        b"SUBSCRIBE c\r\n",
+        b"UNSUBSCRIBE\r\n",
+        b"MONITOR\r\n",
+        b"RESET\r\n",
+        b"MULTI\r\n",
+        b"EXEC\r\n",
+        b"HELLO 3\r\n",
+        b"HELLO 2\r\n",
+        b"CLIENT REPLY SKIP\r\n",
+        b"CLIENT REPLY OFF\r\n",
+        b"CLIENT REPLY ON\r\n",
+        b"CLUSTER NODES\r\n",
+    ];
+    const REPLIES: &[&[u8]] = &[
+        b"+OK\r\n",
+        b"$1\r\nx\r\n",
+        b"$-1\r\n",
+        b":1\r\n",
+        b"-ERR x\r\n",
+        b"*0\r\n",
+        b"*1\r\n:1\r\n",
+        b"%0\r\n",
+        b"+RESET\r\n",
+        b"+1796000000.000000 [0 127.0.0.1:50000] \"get\" \"a\"\r\n",
+        b"*3\r\n$9\r\nsubscribe\r\n$1\r\nc\r\n:1\r\n",
+        b"*3\r\n$11\r\nunsubscribe\r\n$1\r\nc\r\n:0\r\n",
+        b"*3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$1\r\nm\r\n",
+        b">3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$1\r\nm\r\n",
+        b">3\r\n$9\r\nsubscribe\r\n$1\r\nc\r\n:1\r\n",
+    ];
+
+    proptest::proptest! {
+        /// A reply to a run of plain commands is placed by a shortcut: with it on or off,
+        /// any mix of commands and replies is placed alike and leaves the same queue.
+        #[test]
+        fn the_plain_reply_shortcut_places_as_the_general_rules_do(
+            steps in proptest::collection::vec((proptest::bool::ANY, proptest::sample::select(REQUESTS), proptest::sample::select(REPLIES)), 1..40),
+        ) {
+            let mut general = Pairing::new(true);
+            general.general_only = true;
+            let mut both = [(Pairing::new(true), RequestScanner::default()), (general, RequestScanner::default())];
+            for (request, command, reply) in steps {
+                let mut answers = vec![];
+                for (p, s) in &mut both {
+                    if request {
+                        s.feed(command, |c| p.on_request(c)).unwrap();
+                    } else {
+                        let ty = reply[0];
+                        let frame = parse(reply).unwrap().0;
+                        let captured = p.capture(ty);
+                        answers.push(p.on_reply(ty, captured.then_some(&frame)));
+                    }
+                }
+                let [(fast, _), (general, _)] = &both;
+                proptest::prop_assert_eq!(&answers.first(), &answers.last());
+                proptest::prop_assert_eq!(format!("{:?}", fast.queue), format!("{:?}", general.queue));
+                proptest::prop_assert_eq!(fast.lost(), general.lost());
+                proptest::prop_assert_eq!(
+                    (fast.monitor, fast.subscribed, fast.resp3),
+                    (general.monitor, general.subscribed, general.resp3)
+                );
+            }
+        }
+    }
 
     #[test]
     fn pipelined_commands() {

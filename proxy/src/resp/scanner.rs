@@ -10,8 +10,9 @@
 //! Memory is bounded whatever the frame: the text of simple lines (strings, errors,
 //! numbers) is never kept, so they pass at any length; only headers (lengths and counts)
 //! are kept while split across reads, and a header longer than `max_line` is an error (a
-//! valid one has at most 20 digits). Aggregates nested deeper than [`MAX_DEPTH`] are
-//! refused: the stack of counts is the one thing that grows with the input.
+//! length or count has at most 18 digits here, as in the frame parser). Aggregates nested
+//! deeper than [`MAX_DEPTH`] are refused: the stack of counts is the one thing that grows
+//! with the input.
 //!
 //! [`Scanner::scan_parts`] also stops inside a top-level aggregate, after its header and
 //! after each of its elements, so that a caller can keep some elements and let the others

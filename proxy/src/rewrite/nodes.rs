@@ -40,7 +40,9 @@ fn checked_rewrite(
     report: &mut Report,
 ) -> Result<Option<Vec<u8>>, NotNodes> {
     let before = (report.rewritten, report.unknown.len());
-    let mut out = Vec::with_capacity(text.len() + 64);
+    // Sized at the first node line: a reply that is no NODES reply fails at its first line,
+    // without an allocation of its size.
+    let mut out = Vec::new();
     let ok = text.ends_with(b"\n") && {
         // The line in progress: where it and its current field start, the field's index,
         // and where its first two fields (the id and the address) end.
@@ -60,6 +62,9 @@ fn checked_rewrite(
             // A newline: at least the eight fields up to the link state.
             if field < 7 {
                 return false;
+            }
+            if out.capacity() == 0 {
+                out.reserve(text.len() + 64);
             }
             let (id, addr) = (&text[line..ends[0]], &text[ends[0] + 1..ends[1]]);
             rewrite_fields(map, &text[line..end], id, addr, Some(&text[ends[1] + 1..end]), &mut out, report);
@@ -306,6 +311,17 @@ mod tests {
             && fields[8..].iter().all(|f| !f.is_empty())
     }
 
+    /// A map that knows PRIMARY's node (by its id), not REPLICA's.
+    fn map_of_primary() -> AddressMap {
+        use crate::model::{Backend, Route, Routes};
+        use shardgate_crds::NodeRef;
+        use std::sync::Arc;
+        let mut route = Route::new(NodeRef::new(0, 0), "127.0.0.1:30001".parse::<Backend>().unwrap());
+        route.node_id = Some(PRIMARY[..40].to_string());
+        let routes: Routes = [(31000, Arc::new(route))].into_iter().collect();
+        AddressMap::new("proxy.example.test", &routes)
+    }
+
     const PRIMARY: &str = "e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001,vc-0-0 myself,master - 0 0 1 connected 0-5460";
     const REPLICA: &str = "67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1 10.0.0.2:6379@16379 slave e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 0 1796001046000 1 connected";
 
@@ -343,6 +359,45 @@ mod tests {
             });
             prop_assert!(all);
             prop_assert_eq!(got, want);
+        }
+
+        /// Replies of real lines with bytes replaced, removed or added, through a map that
+        /// knows one of their nodes: accepted as the reference accepts each line; then
+        /// rewritten as each line is on its own, else with the report left as it was.
+        #[test]
+        fn a_reply_is_rewritten_as_its_lines_are(
+            lines in prop::collection::vec(prop::sample::select(vec![PRIMARY, REPLICA]), 1..4),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), prop::sample::select(vec![b' ', b'\n', b'@', b':', b'0', b'x']), 0u8..3), 0..2),
+        ) {
+            let mut text = lines.join("\n").into_bytes();
+            text.push(b'\n');
+            for (at, byte, op) in edits {
+                let i = at.index(text.len() + 1);
+                match op {
+                    0 if i < text.len() => text[i] = byte,
+                    1 if i < text.len() => { text.remove(i); }
+                    _ => text.insert(i, byte),
+                }
+            }
+            let map = map_of_primary();
+            let accepted = text.strip_suffix(b"\n").is_some_and(|body| body.split(|&b| b == b'\n').all(reference));
+            let mut report = Report::default();
+            report.unknown("from an earlier reply");
+            let got = checked_rewrite(&map, &text, &mut report);
+            if !accepted {
+                prop_assert_eq!(got, Err(NotNodes));
+                prop_assert_eq!((report.rewritten, report.unknown.len()), (0, 1));
+                return Ok(());
+            }
+            let mut want = (vec![], Report::default());
+            want.1.unknown("from an earlier reply");
+            for line in text.strip_suffix(b"\n").unwrap_or_default().split(|&b| b == b'\n') {
+                rewrite_line(&map, line, &mut want.0, &mut want.1);
+                want.0.push(b'\n');
+            }
+            let rewritten = want.1.rewritten > 0;
+            prop_assert_eq!(got, Ok(rewritten.then_some(want.0)));
+            prop_assert_eq!((report.rewritten, report.unknown), (want.1.rewritten, want.1.unknown));
         }
 
         /// Replies of real lines with bytes replaced, removed or added: the one-scan check
