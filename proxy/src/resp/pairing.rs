@@ -275,6 +275,11 @@ impl Pairing {
 
     fn push(&mut self, e: Expect) {
         if let Some((last, n)) = self.queue.back_mut() {
+            // The common case, without the general comparison of two `Expect`s.
+            if matches!((&e, &*last), (Expect::Other, Expect::Other)) {
+                *n += 1;
+                return;
+            }
             if *last == e {
                 *n += 1;
                 return;

@@ -210,7 +210,16 @@ pub(crate) fn port_text(p: u16) -> Vec<u8> {
 
 /// Parses a decimal port.
 pub(crate) fn parse_port(b: &[u8]) -> Option<u16> {
-    std::str::from_utf8(b).ok()?.parse().ok()
+    // As `str::parse::<u16>` reads it (an optional `+`, then digits, within a u16), without
+    // the UTF-8 check first: a NODES reply has a port on every line.
+    let digits = b.strip_prefix(b"+").unwrap_or(b);
+    if digits.is_empty() {
+        return None;
+    }
+    digits.iter().try_fold(0u16, |n, &d| {
+        let d = d.is_ascii_digit().then(|| u16::from(d - b'0'))?;
+        n.checked_mul(10)?.checked_add(d)
+    })
 }
 
 #[cfg(test)]
@@ -253,6 +262,20 @@ mod tests {
             ("vc-1-1.example.test", false, 6380)
         );
         assert!(sni.is_tls());
+    }
+
+    proptest::proptest! {
+        /// Ports are read as `str::parse::<u16>` reads them, on any bytes.
+        #[test]
+        fn ports_are_read_as_str_parse_reads_them(b in proptest::collection::vec(proptest::sample::select(b"+-0123456789 a\xff".to_vec()), 0..8)) {
+            let want = std::str::from_utf8(&b).ok().and_then(|s| s.parse::<u16>().ok());
+            proptest::prop_assert_eq!(parse_port(&b), want);
+        }
+
+        #[test]
+        fn numbers_around_the_limit(n in 0u32..70_000) {
+            proptest::prop_assert_eq!(parse_port(n.to_string().as_bytes()), u16::try_from(n).ok());
+        }
     }
 }
 
