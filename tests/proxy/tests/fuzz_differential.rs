@@ -683,13 +683,16 @@ impl Grammar<'_> {
                     // skipped (no reply confirms the switch); CLIENT REPLY and MULTI on a
                     // subscribed RESP2 connection (refused by Valkey, which the request side
                     // cannot know in time); a transaction on a monitoring connection (Valkey
-                    // puts monitor lines amid EXEC's array). They are left out of the grammar.
+                    // puts monitor lines amid EXEC's array); RESET on a monitoring connection
+                    // with replies skipped (no reply marks where the monitor lines stop).
+                    // They are left out of the grammar.
                     let excluded = |a: &[String]| {
                         let name = a[0].to_ascii_uppercase();
                         (in_multi && name.contains("SUBSCRIBE"))
                             || (replies_off && (name == "HELLO" || name == "MONITOR"))
                             || (subscribed && (name == "CLIENT" || name == "MULTI"))
                             || (monitoring && name == "MULTI")
+                            || (monitoring && replies_off && name == "RESET")
                     };
                     while excluded(&args) {
                         args = self.command(rng);
