@@ -54,30 +54,31 @@ pub fn bindable(ip: Ipv4Addr, port: u16) -> bool {
     TcpListener::bind((ip, port)).is_ok()
 }
 
-/// A port that is free on `ip` right now (the kernel's choice).
+/// A port that is free on `ip` right now, for a server a test starts.
+///
+/// Picked as [`free_port_range`] picks, not by the kernel: a port from the kernel's
+/// ephemeral range may be handed to an outgoing connection between this call and the
+/// server's bind (a kube-apiserver once failed to start so, "address already in use",
+/// while etcd started).
 ///
 /// # Panics
-/// If nothing can be bound on `ip` at all.
+/// If no free port was found after many tries.
 pub fn free_port(ip: Ipv4Addr) -> u16 {
-    let listener =
-        TcpListener::bind((ip, 0)).unwrap_or_else(|e| panic!("cannot bind any port on {ip}: {e}"));
-    listener
-        .local_addr()
-        .unwrap_or_else(|e| panic!("no local address for a listener on {ip}: {e}"))
-        .port()
+    free_port_range(ip, 1)
 }
 
 /// The lowest port of a range `base..base + count` in which every port is free on `ip` right
 /// now, for a proxy's per-node listeners.
 ///
-/// Bases are picked pseudo-randomly in 20000..32768, below Linux's default ephemeral range so
-/// that the kernel does not hand these ports to outgoing connections meanwhile.
+/// Bases are picked pseudo-randomly in 20000..30000: below Linux's default ephemeral range
+/// (32768 on), so that the kernel does not hand these ports to outgoing connections
+/// meanwhile, and below the NodePort range (30000 on) that the Kubernetes harness serves.
 ///
 /// # Panics
 /// If `count` is 0 or too large, or no such range was found after many tries.
 pub fn free_port_range(ip: Ipv4Addr, count: u16) -> u16 {
     const LOW: u32 = 20000;
-    const HIGH: u32 = 32768;
+    const HIGH: u32 = 30000;
     assert!(
         count > 0 && u32::from(count) < (HIGH - LOW) / 4,
         "free_port_range: count {count} must be between 1 and {}",
@@ -86,7 +87,7 @@ pub fn free_port_range(ip: Ipv4Addr, count: u16) -> u16 {
     let span = HIGH - LOW - u32::from(count);
     for attempt in 0..500u32 {
         let base = LOW + (random_u32(attempt) % span);
-        let base = u16::try_from(base).expect("base is below 32768");
+        let base = u16::try_from(base).expect("base is below 30000");
         if (base..base + count).all(|port| bindable(ip, port)) {
             return base;
         }
