@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 
 use super::frame::Frame;
-use super::request::Command;
+use super::request::{Command, Commands};
 
 /// What a request's reply is, for rewriting.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -608,6 +608,45 @@ impl Pairing {
         !self.monitor && !maybe_other_frame && matches!(self.front(), Some(Expect::Other))
     }
 
+    /// Turns the shortcuts for runs of plain commands off (the test that holds them to the
+    /// general rules).
+    #[cfg(test)]
+    pub(crate) fn general_only(&mut self) {
+        self.general_only = true;
+    }
+
+    /// How many of the next replies answer plain commands whatever their bytes, if they
+    /// are bulk strings, status lines or integers (no push, pub/sub message or error, which
+    /// may be a redirect): the run of plain commands at the front, when not monitoring. They
+    /// may be placed with [`Pairing::took_plain`]. If more is queued behind the run, its
+    /// last reply is left to be placed as any reply, as what follows may change with it (a
+    /// transaction's protocol, a MONITOR that gets no reply).
+    pub fn plain_run(&self) -> u64 {
+        match self.queue.front() {
+            Some((Expect::Other, n)) if !self.monitor && !self.general_only => {
+                if self.queue.len() == 1 {
+                    *n
+                } else {
+                    n - 1
+                }
+            }
+            _ => 0,
+        }
+    }
+
+    /// Places `n` replies within [`Pairing::plain_run`].
+    pub fn took_plain(&mut self, n: u64) {
+        debug_assert!(n <= self.plain_run());
+        let last = self.queue.len() == 1;
+        if let Some((Expect::Other, left)) = self.queue.front_mut() {
+            if n >= *left && last {
+                self.queue.pop_front();
+            } else {
+                *left -= n.min(*left - 1);
+            }
+        }
+    }
+
     /// What the next in-band reply answers (subscribe commands ahead of it aside), if known.
     pub fn next_in_band(&self) -> Option<&Expect> {
         self.queue.iter().map(|(e, _)| e).find(|e| {
@@ -880,6 +919,50 @@ pub fn is_monitor_line(s: &[u8]) -> bool {
         && s[open..].windows(2).any(|w| w == b"] ")
 }
 
+/// The request side's commands go to the pairing; runs of plain ones as counts.
+impl Commands for Pairing {
+    fn command(&mut self, cmd: &Command) {
+        self.on_request(cmd);
+    }
+
+    /// Outside a transaction and with replies on, a command whose name the pairing does
+    /// not look at (most: GET, SET) is one more of a run of plain commands, whatever its
+    /// arguments.
+    fn counts_plain(&self) -> bool {
+        !(self.in_multi || self.reply_off || self.skip_next || self.general_only)
+    }
+
+    /// Not one of the names [`Pairing::on_request`] and [`Expect::of`] tell apart.
+    #[inline]
+    fn plain_name(name: &[u8]) -> bool {
+        let Some(first) = name.first() else {
+            return true;
+        };
+        let looked_at: &[&[u8]] = match first.to_ascii_lowercase() {
+            b'c' => &[b"client", b"cluster"],
+            b'd' => &[b"discard"],
+            b'e' => &[b"exec"],
+            b'h' => &[b"hello"],
+            b'i' => &[b"info"],
+            b'm' => &[b"multi", b"monitor"],
+            b'p' => &[b"psubscribe", b"punsubscribe"],
+            b'r' => &[b"reset", b"role"],
+            b's' => &[b"subscribe", b"ssubscribe", b"sunsubscribe"],
+            b'u' => &[b"unsubscribe"],
+            _ => return true,
+        };
+        !looked_at.iter().any(|n| n.eq_ignore_ascii_case(name))
+    }
+
+    fn plain(&mut self, n: u64) {
+        self.requested = true;
+        match self.queue.back_mut() {
+            Some((Expect::Other, run)) => *run += n,
+            _ => self.queue.push_back((Expect::Other, n)),
+        }
+    }
+}
+
 /// Whether a RESP2 array is a pub/sub frame, by its first element.
 fn pubsub_kind(f: &Frame<'_>) -> Option<PubSubKind> {
     let Frame::Array(b'*' | b'>', items) = f else {
@@ -889,7 +972,7 @@ fn pubsub_kind(f: &Frame<'_>) -> Option<PubSubKind> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::resp::frame::parse;
     use crate::resp::request::RequestScanner;
@@ -939,9 +1022,58 @@ mod tests {
         assert_eq!(p.lost(), None);
     }
 
+    /// Inline commands (one per line, words split at spaces) as the arrays clients send.
+    pub(crate) fn array_commands(inline: &[u8]) -> Vec<u8> {
+        let mut out = vec![];
+        for line in inline.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let words: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+            out.extend(format!("*{}\r\n", words.len()).bytes());
+            for w in words {
+                out.extend(format!("${}\r\n", w.len()).bytes());
+                out.extend(w);
+                out.extend(b"\r\n");
+            }
+        }
+        out
+    }
+
+    /// Every lowercase word in the pairing's code (names and subcommands it looks at, and
+    /// more), sent as a command name with up to two arguments, in either case, between
+    /// plain commands: the shortcut for runs of plain commands leaves the pairing as the
+    /// commands given one by one do.
+    #[test]
+    fn every_name_the_pairing_looks_at_is_left_to_it() {
+        let code = include_str!("pairing.rs");
+        let code = &code[..code.find("#[cfg(test)]").unwrap_or(code.len())];
+        let mut names: Vec<&str> = code
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .filter(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_lowercase()))
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        assert!(names.len() > 20, "{names:?}");
+        for name in names {
+            for case in [name.to_string(), name.to_ascii_uppercase()] {
+                for args in ["", " nodes", " reply off", " 3"] {
+                    let commands = array_commands(format!("GET a\r\n{case}{args}\r\nGET b\r\n").as_bytes());
+                    let mut general = Pairing::new(true);
+                    general.general_only = true;
+                    let mut fast = Pairing::new(true);
+                    RequestScanner::default().feed_to(&commands, &mut general).unwrap();
+                    RequestScanner::default().feed_to(&commands, &mut fast).unwrap();
+                    general.general_only = false;
+                    assert_eq!(format!("{fast:?}"), format!("{general:?}"), "{case}{args}");
+                }
+            }
+        }
+    }
+
     /// Commands and replies of every kind the pairing tells apart (a monitor line, pub/sub
     /// confirmations and messages in both protocols, EXEC's array, HELLO's map).
-    const REQUESTS: &[&[u8]] = &[
+    pub(crate) const REQUESTS: &[&[u8]] = &[
         b"GET a\r\n",
         b"GET a\r\nGET b\r\nSET c d\r\n",
         b"PING\r\n",
@@ -958,7 +1090,7 @@ mod tests {
         b"CLIENT REPLY ON\r\n",
         b"CLUSTER NODES\r\n",
     ];
-    const REPLIES: &[&[u8]] = &[
+    pub(crate) const REPLIES: &[&[u8]] = &[
         b"+OK\r\n",
         b"$1\r\nx\r\n",
         b"$-1\r\n",
@@ -981,16 +1113,18 @@ mod tests {
         /// any mix of commands and replies is placed alike and leaves the same queue.
         #[test]
         fn the_plain_reply_shortcut_places_as_the_general_rules_do(
-            steps in proptest::collection::vec((proptest::bool::ANY, proptest::sample::select(REQUESTS), proptest::sample::select(REPLIES)), 1..40),
+            steps in proptest::collection::vec((proptest::bool::ANY, proptest::sample::select(REQUESTS), proptest::bool::ANY, proptest::sample::select(REPLIES)), 1..40),
         ) {
             let mut general = Pairing::new(true);
             general.general_only = true;
             let mut both = [(Pairing::new(true), RequestScanner::default()), (general, RequestScanner::default())];
-            for (request, command, reply) in steps {
+            for (request, command, as_array, reply) in steps {
                 let mut answers = vec![];
+                // Commands as arrays are what the shortcut for runs of plain ones reads.
+                let command = if as_array { array_commands(command) } else { command.to_vec() };
                 for (p, s) in &mut both {
                     if request {
-                        s.feed(command, |c| p.on_request(c)).unwrap();
+                        s.feed_to(&command, p).unwrap();
                     } else {
                         let ty = reply[0];
                         let frame = parse(reply).unwrap().0;

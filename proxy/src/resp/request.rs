@@ -121,6 +121,39 @@ enum State {
     Doomed,
 }
 
+/// Where the scanner's commands go.
+pub trait Commands {
+    /// A command completed (or an empty one: `argc` 0).
+    fn command(&mut self, cmd: &Command);
+
+    /// Whether, in the present state, whole commands whose names
+    /// [`Commands::plain_name`] accepts may be counted in bulk with [`Commands::plain`]
+    /// rather than given one by one.
+    fn counts_plain(&self) -> bool {
+        false
+    }
+
+    /// Whether a command of this name (as it came, in any case) is one that
+    /// [`Commands::plain`] may count.
+    fn plain_name(_name: &[u8]) -> bool {
+        false
+    }
+
+    /// `n` whole commands with plain names completed.
+    fn plain(&mut self, _n: u64) {}
+}
+
+/// Every command given one by one to a closure.
+#[cfg(any(test, feature = "test-util"))]
+struct Each<F>(F);
+
+#[cfg(any(test, feature = "test-util"))]
+impl<F: FnMut(&Command)> Commands for Each<F> {
+    fn command(&mut self, cmd: &Command) {
+        (self.0)(cmd)
+    }
+}
+
 /// The request scanner; one per connection.
 #[derive(Debug)]
 pub struct RequestScanner {
@@ -171,37 +204,49 @@ impl RequestScanner {
     /// Consumes `buf`, calling `on_command` for every command that completes in it, and
     /// for every empty command (`*0`, `*-1`, an empty inline line: `argc` 0), which Valkey
     /// answers with nothing but which uses up a `CLIENT REPLY SKIP`.
+    #[cfg(any(test, feature = "test-util"))]
     pub fn feed(&mut self, buf: &[u8], on_command: impl FnMut(&Command)) -> Result<(), RespError> {
+        self.feed_to(buf, &mut Each(on_command))
+    }
+
+    /// As [`RequestScanner::feed`], the commands going to `to`, which may take runs of
+    /// plain commands as counts.
+    pub fn feed_to<C: Commands>(&mut self, buf: &[u8], to: &mut C) -> Result<(), RespError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
-        let r = self.feed_inner(buf, on_command);
+        let r = self.feed_inner(buf, to);
         if let Err(e) = &r {
             self.failed = Some(e.clone());
         }
         r
     }
 
-    fn feed_inner(
-        &mut self,
-        buf: &[u8],
-        mut on_command: impl FnMut(&Command),
-    ) -> Result<(), RespError> {
+    fn feed_inner<C: Commands>(&mut self, buf: &[u8], to: &mut C) -> Result<(), RespError> {
         let mut i = 0;
         while i < buf.len() {
             match self.state {
                 State::Start => {
-                    self.cmd.reset();
-                    self.line.clear();
-                    // Most commands arrive whole in one read: read in one pass, no state.
+                    // Most commands arrive whole in one read: read in one pass, no state;
+                    // most of those are plain (GET, SET), counted in one tight loop.
                     if self.one_pass {
+                        if to.counts_plain() {
+                            let (n, len) = self.plain_commands::<C>(&buf[i..]);
+                            if n > 0 {
+                                to.plain(n);
+                                i += len;
+                                continue;
+                            }
+                        }
+                        self.cmd.reset();
                         if let Some(len) = self.whole_command(&buf[i..]) {
-                            on_command(&self.cmd);
+                            to.command(&self.cmd);
                             i += len;
                             continue;
                         }
-                        self.cmd.reset();
                     }
+                    self.cmd.reset();
+                    self.line.clear();
                     if buf[i] == b'*' {
                         i += 1;
                         self.state = State::Count;
@@ -222,7 +267,7 @@ impl RequestScanner {
                             return Err(RespError::LineTooLong(self.max_line));
                         }
                         match self.strip_cr(line)? {
-                            Some(line) => self.line_done(line, &mut on_command),
+                            Some(line) => self.line_done(line, to),
                             None => {
                                 self.doom(invalid_length(line));
                                 Ok(())
@@ -234,7 +279,7 @@ impl RequestScanner {
                         let r = match self.strip_cr(&line)?.map(<[u8]>::len) {
                             Some(len) => {
                                 line.truncate(len);
-                                self.line_done(&line, &mut on_command)
+                                self.line_done(&line, to)
                             }
                             None => {
                                 self.doom(invalid_length(&line));
@@ -306,7 +351,7 @@ impl RequestScanner {
                     self.index += 1;
                     self.args_left -= 1;
                     if self.args_left == 0 {
-                        on_command(&self.cmd);
+                        to.command(&self.cmd);
                         self.state = State::Start;
                     } else {
                         self.state = State::ArgType;
@@ -325,24 +370,29 @@ impl RequestScanner {
     /// the state machine then reads from the start, so both read every stream alike.
     #[inline]
     fn whole_command(&mut self, buf: &[u8]) -> Option<usize> {
-        let (argc, mut at) = header(buf, b'*', self.max_line)?;
-        if argc == 0 || argc > i64::from(i32::MAX) as u64 {
-            return None;
-        }
-        for index in 0..argc {
-            let (len, payload) = header(buf.get(at..)?, b'$', self.max_line)?;
-            let start = at + payload;
-            let end = start.checked_add(usize::try_from(len).ok()?)?;
-            if buf.get(end..end.checked_add(2)?)? != b"\r\n" {
-                return None;
+        let cmd = &mut self.cmd;
+        let (argc, len) = command_at(buf, self.max_line, |index, arg| {
+            if index == 0 || (index < KEPT_ARGS as u64 && cmd.wants_args()) {
+                cmd.keep(index, arg);
             }
-            if index == 0 || (index < KEPT_ARGS as u64 && self.cmd.wants_args()) {
-                self.cmd.keep(index, &buf[start..end]);
-            }
-            at = end + 2;
+            true
+        })?;
+        cmd.argc = argc;
+        Some(len)
+    }
+
+    /// The whole commands at the start of `buf` that [`RequestScanner::whole_command`]
+    /// reads and whose names `C` takes as plain: how many, and where they end.
+    #[inline]
+    fn plain_commands<C: Commands>(&self, buf: &[u8]) -> (u64, usize) {
+        let (mut n, mut at) = (0, 0);
+        while let Some((_, len)) = command_at(&buf[at..], self.max_line, |index, arg| {
+            index > 0 || C::plain_name(arg)
+        }) {
+            n += 1;
+            at += len;
         }
-        self.cmd.argc = argc;
-        Some(at)
+        (n, at)
     }
 
     /// A line without its CR. A RESP header line (`*<n>`, `$<n>`) ends at its first CR,
@@ -380,7 +430,7 @@ impl RequestScanner {
     fn line_done(
         &mut self,
         line: &[u8],
-        on_command: &mut impl FnMut(&Command),
+        to: &mut impl Commands,
     ) -> Result<(), RespError> {
         let invalid = invalid_length;
         match self.state {
@@ -390,7 +440,7 @@ impl RequestScanner {
                 // is a protocol error.
                 if n <= 0 {
                     self.state = State::Start;
-                    on_command(&self.cmd);
+                    to.command(&self.cmd);
                     return Ok(());
                 }
                 if n > i64::from(i32::MAX) {
@@ -431,13 +481,38 @@ impl RequestScanner {
                 // at all (it does not even use up a `CLIENT REPLY SKIP`).
                 if !words.is_empty() || line.is_empty() {
                     self.cmd.argc = words.len() as u64;
-                    on_command(&self.cmd);
+                    to.command(&self.cmd);
                 }
             }
             _ => {}
         }
         Ok(())
     }
+}
+
+/// The command at the start of `buf` if it is there whole in the form of
+/// [`RequestScanner::whole_command`], each argument given to `arg` with its index, as long
+/// as it says to go on: its argument count and length.
+#[inline]
+fn command_at(
+    buf: &[u8],
+    max_line: usize,
+    mut arg: impl FnMut(u64, &[u8]) -> bool,
+) -> Option<(u64, usize)> {
+    let (argc, mut at) = header(buf, b'*', max_line)?;
+    if argc == 0 || argc > i64::from(i32::MAX) as u64 {
+        return None;
+    }
+    for index in 0..argc {
+        let (len, payload) = header(buf.get(at..)?, b'$', max_line)?;
+        let start = at + payload;
+        let end = start.checked_add(usize::try_from(len).ok()?)?;
+        if buf.get(end..end.checked_add(2)?)? != b"\r\n" || !arg(index, &buf[start..end]) {
+            return None;
+        }
+        at = end + 2;
+    }
+    Some((argc, at))
 }
 
 /// A `<ty><digits>\r\n` header at the start of `buf`, its digits a number without sign

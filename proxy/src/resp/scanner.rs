@@ -133,8 +133,8 @@ pub struct Scanner {
     in_frame: bool,
     /// After an error the stream cannot be followed any more: every later call fails too.
     failed: Option<RespError>,
-    /// A top-level bulk string that is all in the buffer is read in one pass
-    /// ([`whole_bulk`]); off only in the test that holds that pass to the state machine.
+    /// A top-level bulk string or line that is all in the buffer is read in one pass
+    /// ([`whole_line_or_bulk`]); off only in the test that holds that pass to the state machine.
     one_pass: bool,
 }
 
@@ -196,7 +196,7 @@ impl Scanner {
                 State::Type => {
                     // Most replies are a bulk string (GET's) all in one read.
                     if self.one_pass && self.stack.is_empty() {
-                        if let Some(end) = whole_bulk(&buf[i..], self.max_line) {
+                        if let Some(end) = whole_line_or_bulk(&buf[i..], self.max_line) {
                             // It may end a frame begun with an attribute.
                             self.in_frame = false;
                             return Ok(Part::Complete { end: i + end });
@@ -269,6 +269,32 @@ impl Scanner {
             }
         }
         Ok(Part::Incomplete)
+    }
+
+    /// Skips up to `max` whole top-level frames from `buf[from..]` that are bulk strings,
+    /// status lines or integers (`$`, `+`, `:`), the replies of most commands, and stops
+    /// at anything else (an error, an aggregate, a frame split across reads) for
+    /// [`Scanner::scan`] to read. Returns how many it skipped and where they end. Only at a
+    /// frame boundary.
+    pub fn skip_plain(&mut self, buf: &[u8], from: usize, max: u64) -> (u64, usize) {
+        debug_assert!(!self.in_frame);
+        let mut at = from;
+        let mut n = 0;
+        if !self.one_pass || self.failed.is_some() {
+            return (0, at);
+        }
+        while n < max {
+            let rest = &buf[at..];
+            let end = match rest.first() {
+                Some(b'$') => whole_bulk(rest, self.max_line),
+                Some(b'+' | b':') => whole_line(rest),
+                _ => None,
+            };
+            let Some(end) = end else { break };
+            at += end;
+            n += 1;
+        }
+        (n, at)
     }
 
     fn push_line(&mut self, part: &[u8]) -> Result<(), RespError> {
@@ -402,6 +428,26 @@ fn whole_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
     (buf.get(end..end.checked_add(2)?)? == b"\r\n").then_some(end + 2)
 }
 
+/// The length of the simple line (`+`, `-`, `:`, ...) at the start of `buf` if its LF is
+/// in `buf` and a CR precedes it: the frame the state machine reads, which holds no such
+/// line's bytes and so sets it no length limit.
+#[inline]
+fn whole_line(buf: &[u8]) -> Option<usize> {
+    let nl = memchr::memchr(b'\n', buf.get(1..)?)?;
+    // `buf[nl]` is the byte before the LF; the type byte itself if the line is empty.
+    (nl > 0 && buf[nl] == b'\r').then_some(nl + 2)
+}
+
+/// A top-level frame that is one line, or one bulk string, all in `buf`.
+#[inline]
+fn whole_line_or_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
+    match *buf.first()? {
+        b'$' => whole_bulk(buf, max_line),
+        ty if is_simple(ty) => whole_line(buf),
+        _ => None,
+    }
+}
+
 /// A line whose text the scanner does not need: it is skipped, not kept.
 fn is_simple(ty: u8) -> bool {
     matches!(ty, b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(')
@@ -527,6 +573,16 @@ mod tests {
             1 => Just(b"$3\r\nab\r\n".to_vec()),
             1 => Just(b"$-1\r\n".to_vec()),
             1 => Just(SAMPLE.to_vec()),
+            // Lines: empty, a CR inside, a bare LF (an error), other types.
+            1 => prop_oneof![
+                Just(b"+\r\n".to_vec()),
+                Just(b"+a\rb\r\n".to_vec()),
+                Just(b"+\n".to_vec()),
+                Just(b":1\n".to_vec()),
+                Just(b"-ERR x\r\n".to_vec()),
+                Just(b"_\r\n".to_vec()),
+                Just(b"#t\r\n".to_vec()),
+            ],
         ]
     }
 
@@ -692,7 +748,7 @@ mod tests {
             }
         }
 
-        /// Whole bulk strings are read in one pass (`whole_bulk`), anything else by the
+        /// Whole bulk strings and lines are read in one pass (`whole_line_or_bulk`), anything else by the
         /// state machine: with the pass on or off, a stream gives the same frames and
         /// fails at the same point, valid RESP or not, whole or cut in two.
         #[test]
@@ -729,6 +785,45 @@ mod tests {
                 got
             };
             prop_assert_eq!(run(true), run(false), "{:?}", String::from_utf8_lossy(&input));
+        }
+
+        /// `skip_plain` skips the frames `scan` finds, up to its count, and leaves the
+        /// scanner where `scan` goes on as if it had read them.
+        #[test]
+        fn skipping_plain_frames_agrees_with_scan(
+            pieces in proptest::collection::vec(reply_piece(), 1..8),
+            max in 0u64..10,
+            max_line in prop_oneof![Just(1usize), Just(2), Just(64 * 1024)],
+        ) {
+            let input: Vec<u8> = pieces.concat();
+            let scan_from = |s: &mut Scanner, mut i: usize| {
+                let mut got = vec![];
+                while i < input.len() {
+                    match s.scan(&input, i) {
+                        Ok(Scan::Complete { end }) => { got.push(Ok(end)); i = end; }
+                        Ok(Scan::Incomplete) => break,
+                        Err(e) => { got.push(Err(e)); break; }
+                    }
+                }
+                got
+            };
+            let all = scan_from(&mut Scanner::new(max_line), 0);
+            let mut s = Scanner::new(max_line);
+            let (n, at) = s.skip_plain(&input, 0, max);
+            prop_assert!(n <= max);
+            let n = n as usize;
+            prop_assert!(n <= all.len());
+            if n > 0 {
+                prop_assert_eq!(&all[n - 1], &Ok(at));
+            }
+            // Only bulk strings, status lines and integers were skipped.
+            let mut start = 0;
+            for end in all.iter().take(n) {
+                let end = end.clone().unwrap_or_default();
+                prop_assert!(matches!(input[start], b'$' | b'+' | b':'));
+                start = end;
+            }
+            prop_assert_eq!(&scan_from(&mut s, at)[..], &all[n..]);
         }
 
         #[test]

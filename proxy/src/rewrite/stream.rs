@@ -117,7 +117,7 @@ impl RequestSide {
     /// Notes the commands in `buf` (which is then forwarded unchanged).
     pub fn observe(&mut self, buf: &[u8], shared: &Shared) -> Result<(), RespError> {
         let mut pairing = shared.pairing();
-        let fed = self.scanner.feed(buf, |cmd| pairing.on_request(cmd));
+        let fed = self.scanner.feed_to(buf, &mut *pairing);
         if let Err(e) = &fed {
             if crate::resp::request::valkey_rejects(e) {
                 pairing.input_rejected();
@@ -263,6 +263,16 @@ impl ReplySide {
                     emit(out, pending..i);
                     self.give_up(lost, out);
                     return Ok(());
+                }
+                // Most replies answer a run of plain commands: skipped in one tight loop.
+                let run = pairing.plain_run();
+                if run > 0 && self.capture.is_none() {
+                    let (n, end) = self.scanner.skip_plain(input, i, run);
+                    if n > 0 {
+                        pairing.took_plain(n);
+                        i = end;
+                        continue;
+                    }
                 }
                 self.start_frame(input[i], &pairing);
                 if self.capture.is_some() {
@@ -1116,6 +1126,76 @@ mod tests {
             assert!(!text.contains("10.0.0.1"), "piece {piece}: {text}");
             assert!(text.contains("127.0.77.70"), "piece {piece}");
             assert_eq!(report.kinds, ["cluster_slots"], "piece {piece}");
+        }
+    }
+
+    use proptest::strategy::Strategy;
+
+    const PLAIN_REPLIES: &[&[u8]] = &[b"+OK\r\n", b"$1\r\nx\r\n", b":7\r\n", b"$-1\r\n"];
+
+    proptest::proptest! {
+        /// Replies to a run of plain commands are skipped in a tight loop: with it on or
+        /// off, any mix of commands and replies (several per read, cut anywhere) gives the
+        /// same bytes out, the same report and the same pairing.
+        #[test]
+        fn the_plain_run_skip_gives_what_the_general_path_does(
+            steps in proptest::collection::vec(
+                (
+                    proptest::bool::ANY,
+                    proptest::collection::vec(
+                        (proptest::sample::select(crate::resp::pairing::tests::REQUESTS), proptest::bool::ANY)
+                            .prop_map(|(c, array)| if array {
+                                crate::resp::pairing::tests::array_commands(c)
+                            } else {
+                                c.to_vec()
+                            }),
+                        1..4,
+                    ),
+                    proptest::collection::vec(
+                        proptest::prop_oneof![
+                            3 => proptest::sample::select(PLAIN_REPLIES),
+                            1 => proptest::sample::select(crate::resp::pairing::tests::REPLIES),
+                        ],
+                        1..8,
+                    ),
+                    proptest::sample::select(&[0usize, 1, 3, 7, 1000][..]),
+                ),
+                1..24,
+            ),
+        ) {
+            let run = |general: bool| {
+                let shared = Shared::new(true);
+                if general {
+                    shared.pairing().general_only();
+                }
+                let mut requests = RequestSide::new(Limits::default());
+                let mut replies = ReplySide::new(Limits::default());
+                let (mut sent, mut report) = (vec![], Report::default());
+                for (request, commands, frames, cut) in &steps {
+                    if *request {
+                        if requests.observe(&commands.concat(), &shared).is_err() {
+                            break;
+                        }
+                        continue;
+                    }
+                    let bytes = frames.concat();
+                    let (a, b) = bytes.split_at((*cut).min(bytes.len()));
+                    for read in [a, b] {
+                        let mut out = vec![];
+                        let r = replies.process(read, &shared, &map(), &mut out, &mut report);
+                        sent.extend_from_slice(&flatten(read, &out));
+                        if r.is_err() || replies.lost().is_some() {
+                            return (sent, report, format!("{r:?} {:?}", replies.lost()));
+                        }
+                    }
+                }
+                let pairing = format!("{:?}", *shared.pairing());
+                (sent, report, pairing.replace("general_only: true", "general_only: false"))
+            };
+            let (fast, general) = (run(false), run(true));
+            proptest::prop_assert_eq!(String::from_utf8_lossy(&fast.0), String::from_utf8_lossy(&general.0));
+            proptest::prop_assert_eq!(fast.1, general.1);
+            proptest::prop_assert_eq!(fast.2, general.2);
         }
     }
 }
