@@ -15,7 +15,11 @@
 //! - `plain`: through a per-port listener;
 //! - `tls`: through the TLS port, terminating TLS 1.3 (`--tls --sni vc-0-0.example.test`);
 //! - `plain_reconnect` / `tls_reconnect`: a new connection per request (`-k 0`), where the
-//!   TLS handshake dominates.
+//!   TLS handshake dominates;
+//! - `haproxy_plain` / `haproxy_tls`: HAProxy (`mode tcp`, one thread; Debian's package,
+//!   OpenSSL) forwarding, then terminating TLS the same way, its CPU time from
+//!   `/proc/<pid>/stat`: what TLS costs a data plane that is not shardgate, on the same
+//!   machine with the same load generator (which does its own TLS on the same cores).
 //!
 //! Each case runs `PING_MBULK`, `SET` and `GET` with 50 clients, no pipelining. Quote the
 //! ratios, not the absolute numbers: the machine is shared.
@@ -71,7 +75,83 @@ struct Outcome {
     wall: f64,
 }
 
+/// CPU seconds of process `pid` (user and system).
+fn process_cpu(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(close) = stat.rfind(')') else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+/// HAProxy in front of `backend`, one thread: a plain listener and a TLS one with `pem`
+/// (certificate and key). Killed on drop.
+struct Haproxy {
+    child: std::process::Child,
+    plain: u16,
+    tls: u16,
+}
+
+impl Haproxy {
+    fn start(dir: &std::path::Path, backend: u16, pem: &std::path::Path) -> Haproxy {
+        let (plain, tls) = (free_port(LO), free_port(LO));
+        let cfg = dir.join("haproxy.cfg");
+        std::fs::write(
+            &cfg,
+            format!(
+                "global\n  nbthread 1\n  maxconn 1000\n\
+                 defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n\
+                 frontend plain\n  bind 127.0.0.1:{plain}\n  default_backend be\n\
+                 frontend tls\n  bind 127.0.0.1:{tls} ssl crt {}\n  default_backend be\n\
+                 backend be\n  server valkey 127.0.0.1:{backend}\n",
+                pem.display()
+            ),
+        )
+        .expect("haproxy.cfg");
+        let haproxy = std::env::var_os("SHARDGATE_HAPROXY").unwrap_or("/usr/sbin/haproxy".into());
+        let child = Command::new(&haproxy)
+            .arg("-db")
+            .arg("-f")
+            .arg(&cfg)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{haproxy:?} (scripts/setup installs it): {e}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect((LO, tls)).is_err() {
+            assert!(Instant::now() < deadline, "HAProxy did not listen on {tls}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Haproxy { child, plain, tls }
+    }
+}
+
+impl Drop for Haproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn run(port: u16, extra: &[String], requests: u64, keepalive: bool) -> Outcome {
+    run_measuring(port, extra, requests, keepalive, proxy_cpu)
+}
+
+fn run_measuring(
+    port: u16,
+    extra: &[String],
+    requests: u64,
+    keepalive: bool,
+    proxy_cpu: impl Fn() -> f64,
+) -> Outcome {
     let cpu0 = proxy_cpu();
     let t0 = Instant::now();
     let mut cmd = Command::new(redis_benchmark().expect("redis-benchmark (scripts/setup)"));
@@ -171,14 +251,28 @@ fn main() {
         .iter()
         .map(|s| s.to_string())
         .collect();
+    let pem = pki.dir().join("haproxy.pem");
+    let mut both = std::fs::read(&cert.cert).expect("certificate file");
+    both.extend(std::fs::read(&cert.key).expect("key file"));
+    std::fs::write(&pem, both).expect("haproxy.pem");
+    let haproxy = Haproxy::start(pki.dir(), valkey.port, &pem);
     let reconnect = (requests / 20).max(2000);
     let cases: Vec<(&str, u16, Vec<String>, u64, bool)> = vec![
         ("direct", valkey.port, vec![], requests, true),
         ("plain", base, vec![], requests, true),
         ("tls", tls_port, tls_args.clone(), requests, true),
         ("plain_reconnect", base, vec![], reconnect, false),
-        ("tls_reconnect", tls_port, tls_args, reconnect, false),
+        (
+            "tls_reconnect",
+            tls_port,
+            tls_args.clone(),
+            reconnect,
+            false,
+        ),
+        ("haproxy_plain", haproxy.plain, vec![], requests, true),
+        ("haproxy_tls", haproxy.tls, tls_args, requests, true),
     ];
+    let haproxy_pid = haproxy.child.id();
     // Warm up both paths.
     run(base, &[], 5000, true);
     println!(
@@ -191,7 +285,11 @@ fn main() {
     );
     let mut results = vec![];
     for (name, port, extra, n, keepalive) in cases {
-        let o = run(port, &extra, n, keepalive);
+        let o = if name.starts_with("haproxy") {
+            run_measuring(port, &extra, n, keepalive, || process_cpu(haproxy_pid))
+        } else {
+            run(port, &extra, n, keepalive)
+        };
         let get = |t: &str| {
             o.rps
                 .iter()
@@ -230,5 +328,33 @@ fn main() {
             tr.2 / pr.2
         );
     }
+    if let (Some(hp), Some(ht), Some(p), Some(t)) = (
+        find("haproxy_plain"),
+        find("haproxy_tls"),
+        find("plain"),
+        find("tls"),
+    ) {
+        println!(
+            "  haproxy tls / haproxy plain rps          {:.2}",
+            ht.1 / hp.1
+        );
+        println!(
+            "  haproxy tls / haproxy plain CPU per req  {:.2}",
+            ht.2 / hp.2
+        );
+        println!(
+            "  shardgate tls / haproxy tls rps          {:.2}",
+            t.1 / ht.1
+        );
+        println!(
+            "  shardgate tls / haproxy tls CPU per req  {:.2}",
+            t.2 / ht.2
+        );
+        println!(
+            "  shardgate plain / haproxy plain rps      {:.2}",
+            p.1 / hp.1
+        );
+    }
+    drop(haproxy);
     runtime.block_on(proxy.shutdown());
 }

@@ -521,6 +521,16 @@ fn command_at(
 /// header not all in `buf`.
 #[inline]
 fn header(buf: &[u8], ty: u8, max_line: usize) -> Option<(u64, usize)> {
+    // Nearly every header has one or two digits.
+    match *buf {
+        [t, d @ b'0'..=b'9', b'\r', b'\n', ..] if t == ty && max_line > 1 => {
+            return Some((u64::from(d - b'0'), 4));
+        }
+        [t, d1 @ b'1'..=b'9', d2 @ b'0'..=b'9', b'\r', b'\n', ..] if t == ty && max_line > 2 => {
+            return Some((u64::from((d1 - b'0') * 10 + (d2 - b'0')), 5));
+        }
+        _ => {}
+    }
     let rest = buf.strip_prefix(&[ty])?;
     let mut n: u64 = 0;
     let mut digits = 0;
