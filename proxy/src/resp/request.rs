@@ -720,6 +720,11 @@ mod tests {
             Just(b"nodes".to_vec()),
             Just(b"reply".to_vec()),
             Just(b"get".to_vec()),
+            Just(b"MULTI".to_vec()),
+            Just(b"exec".to_vec()),
+            Just(b"Reset".to_vec()),
+            Just(b"subscribe".to_vec()),
+            Just(b"off".to_vec()),
             Just(vec![]),
             proptest::collection::vec(any::<u8>(), 0..48),
         ];
@@ -897,6 +902,37 @@ mod tests {
                 "{:?}",
                 String::from_utf8_lossy(&input)
             );
+        }
+
+        /// Runs of plain commands are counted in one loop (`plain_commands`) when the
+        /// pairing takes them so: on any stream, valid or not, whole or cut in two, with
+        /// any `max_line`, the pairing ends as when every command is given to it, and the
+        /// reads fail alike.
+        #[test]
+        fn counting_plain_commands_leaves_the_pairing_as_one_by_one(
+            pieces in proptest::collection::vec(request_piece(), 1..8),
+            flip in proptest::option::of((any::<prop::sample::Index>(), any::<u8>())),
+            split in any::<prop::sample::Index>(),
+            max_line in prop_oneof![Just(1usize), Just(2), Just(3), Just(40)],
+        ) {
+            use crate::resp::pairing::Pairing;
+            let mut input: Vec<u8> = pieces.concat();
+            if let Some((at, byte)) = flip {
+                let at = at.index(input.len());
+                input[at] = byte;
+            }
+            let (a, b) = input.split_at(split.index(input.len() + 1));
+            let run = |general: bool| {
+                let mut pairing = Pairing::new(true);
+                if general {
+                    pairing.general_only();
+                }
+                let mut s = RequestScanner::new(max_line);
+                let reads = [a, b].map(|read| s.feed_to(read, &mut pairing));
+                let state = format!("{pairing:?}").replace("general_only: true", "general_only: false");
+                (reads, state)
+            };
+            prop_assert_eq!(run(false), run(true), "{:?}", String::from_utf8_lossy(&input));
         }
 
         #[test]
