@@ -387,6 +387,7 @@ impl ValkeyCluster {
                     "{name}: CLUSTER NODES has no myself line with its id"
                 )),
             }
+            problems.extend(self.replicas_missing_from_slots(node, &name, &view));
             for line in &view {
                 if self.node_by_id(&line.id).is_none() {
                     problems.push(format!(
@@ -462,6 +463,42 @@ impl ValkeyCluster {
             ));
         }
         problems
+    }
+
+    /// The running replicas of slot-owning primaries that `node`'s CLUSTER SLOTS leaves
+    /// out. Valkey lists a replica there only once it knows the replica's replication
+    /// offset to be past 0 (from gossip, a ping after the sync), which can come after
+    /// `master_link_status:up`: a test that reads the topology right after the cluster
+    /// started once saw a replica missing.
+    fn replicas_missing_from_slots(
+        &self,
+        node: &Node,
+        name: &str,
+        view: &[NodesLine],
+    ) -> Vec<String> {
+        let slots = match node.query::<redis::Value>(&["CLUSTER", "SLOTS"]) {
+            Ok(slots) => slots,
+            Err(e) => return vec![format!("{e:#}")],
+        };
+        let mut listed = Vec::new();
+        strings_in(&slots, &mut listed);
+        view.iter()
+            .filter(|line| {
+                let serves = line
+                    .master
+                    .as_ref()
+                    .and_then(|m| view.iter().find(|p| &p.id == m))
+                    .is_some_and(|p| !p.slots.is_empty());
+                let running = self.node_by_id(&line.id).is_some_and(Node::is_running);
+                serves && running && !listed.contains(&line.id)
+            })
+            .map(|line| {
+                format!(
+                    "{name}: CLUSTER SLOTS does not list replica {} yet",
+                    line.id
+                )
+            })
+            .collect()
     }
 
     // ---------------------------------------------------------------- faults
@@ -858,5 +895,19 @@ impl std::fmt::Debug for ValkeyCluster {
             .field("root", &self.root)
             .field("nodes", &self.nodes)
             .finish()
+    }
+}
+
+/// Every string in a reply, depth first.
+fn strings_in(v: &redis::Value, out: &mut Vec<String>) {
+    match v {
+        redis::Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+        redis::Value::SimpleString(s) => out.push(s.clone()),
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            for item in items {
+                strings_in(item, out);
+            }
+        }
+        _ => {}
     }
 }
