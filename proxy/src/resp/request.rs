@@ -757,6 +757,16 @@ mod tests {
         ]
     }
 
+    /// The pieces one after the other, one byte of them replaced if `flip` says so.
+    fn flipped(pieces: &[Vec<u8>], flip: Option<(prop::sample::Index, u8)>) -> Vec<u8> {
+        let mut input = pieces.concat();
+        if let Some((at, byte)) = flip {
+            let at = at.index(input.len());
+            input[at] = byte;
+        }
+        input
+    }
+
     const PIPELINE: &[u8] = b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$10\r\n0123456789\r\nPING\r\n  cluster   nodes  \r\n*1\r\n$5\r\nMULTI\r\n";
 
     #[test]
@@ -887,11 +897,7 @@ mod tests {
             split in any::<prop::sample::Index>(),
             max_line in prop_oneof![Just(1usize), Just(2), Just(3), Just(40)],
         ) {
-            let mut input: Vec<u8> = pieces.concat();
-            if let Some((at, byte)) = flip {
-                let at = at.index(input.len());
-                input[at] = byte;
-            }
+            let mut input = flipped(&pieces, flip);
             if let Some(cut) = cut {
                 input.truncate(cut.index(input.len() + 1));
             }
@@ -916,11 +922,7 @@ mod tests {
             max_line in prop_oneof![Just(1usize), Just(2), Just(3), Just(40)],
         ) {
             use crate::resp::pairing::Pairing;
-            let mut input: Vec<u8> = pieces.concat();
-            if let Some((at, byte)) = flip {
-                let at = at.index(input.len());
-                input[at] = byte;
-            }
+            let input = flipped(&pieces, flip);
             let (a, b) = input.split_at(split.index(input.len() + 1));
             let run = |general: bool| {
                 let mut pairing = Pairing::new(true);
