@@ -29,6 +29,10 @@ pub mod defaults {
     pub const BUFFER_SIZE: usize = 16 * 1024;
     /// The smallest buffer the proxy uses, whatever is asked for.
     pub const MIN_BUFFER_SIZE: usize = 512;
+    /// The largest buffer that may be asked for: a connection holds up to two while bytes
+    /// are in flight, so a few thousand busy connections at this size are already
+    /// gigabytes.
+    pub const MAX_BUFFER_SIZE: usize = 16 << 20;
     pub const MAX_FRAME: usize = 64 << 20;
     /// A header or simple line longer than this closes a rewriting connection (not a flag).
     pub const MAX_LINE: usize = 64 << 10;
@@ -180,8 +184,9 @@ pub struct ProxySettings {
     #[serde(serialize_with = "display")]
     pub drain_timeout: humantime::Duration,
 
-    /// Bytes buffered per direction per connection (at least 512).
-    #[arg(long, value_name = "BYTES", default_value_t = defaults::BUFFER_SIZE)]
+    /// Bytes buffered per direction per connection while bytes are in flight (at least 512,
+    /// at most 16 MiB).
+    #[arg(long, value_name = "BYTES", default_value_t = defaults::BUFFER_SIZE, value_parser = parse_buffer_size)]
     pub buffer_size: usize,
 
     /// Rewrite the topology Valkey hands out (MOVED/ASK, CLUSTER SLOTS/SHARDS/NODES/REPLICAS,
@@ -354,6 +359,20 @@ pub fn namespace_and_cluster(value: &str) -> Result<(&str, &str), String> {
     }
 }
 
+fn parse_buffer_size(value: &str) -> Result<usize, String> {
+    let bytes: usize = value
+        .parse()
+        .map_err(|e| format!("{value:?} is not a number of bytes: {e}"))?;
+    if bytes > defaults::MAX_BUFFER_SIZE {
+        return Err(format!(
+            "{bytes} bytes is more than the most a buffer may hold, {} (16 MiB): each \
+             connection holds up to two while bytes are in flight",
+            defaults::MAX_BUFFER_SIZE
+        ));
+    }
+    Ok(bytes)
+}
+
 fn parse_kubernetes(value: &str) -> Result<String, String> {
     namespace_and_cluster(value).map(|_| value.to_string())
 }
@@ -460,6 +479,14 @@ mod tests {
         assert_eq!(d.admin_addr.0, Some("0.0.0.0:9090".parse().unwrap()));
         assert_eq!(d.listen_ip, IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         assert_eq!(d.buffer_size, 16384);
+        let most = ProxySettings::try_parse_from([
+            "shardgate-proxy",
+            "--routes",
+            "r",
+            "--buffer-size",
+            "16777216",
+        ]);
+        assert_eq!(most.map(|s| s.buffer_size).ok(), Some(16 << 20));
         assert_eq!(d.tls_mode, TlsMode::Terminate);
         assert!(!d.rewrite && d.routes.is_none() && d.seed.is_empty());
         assert!(d.to_args().is_empty(), "{:?}", d.to_args());
@@ -643,6 +670,14 @@ mod tests {
                 "--idle-timeout",
             ),
             (&["--seed", "10.0.0.1"][..], "has no port"),
+            (
+                &["--routes", "r", "--buffer-size", "16777217"][..],
+                "more than the most a buffer may hold, 16777216 (16 MiB)",
+            ),
+            (
+                &["--routes", "r", "--buffer-size", "16k"][..],
+                "\"16k\" is not a number of bytes",
+            ),
         ] {
             let err = ProxySettings::try_parse_from(
                 std::iter::once("shardgate-proxy").chain(args.iter().copied()),
