@@ -276,7 +276,7 @@ impl Scanner {
     /// at anything else (an error, an aggregate, a frame split across reads) for
     /// [`Scanner::scan`] to read. Returns how many it skipped and where they end. Only at a
     /// frame boundary.
-    pub fn skip_plain(&mut self, buf: &[u8], from: usize, max: u64) -> (u64, usize) {
+    pub fn skip_plain(&self, buf: &[u8], from: usize, max: u64) -> (u64, usize) {
         debug_assert!(!self.in_frame);
         let mut at = from;
         let mut n = 0;
