@@ -43,76 +43,27 @@ fn checked_rewrite(
     // Sized at the first node line: a reply that is no NODES reply fails at its first line,
     // without an allocation of its size.
     let mut out = Vec::new();
-    let ok = text.ends_with(b"\n") && {
-        // The line in progress: where it and its current field start, the field's index,
-        // and where its first two fields (the id and the address) end.
-        let (mut line, mut start, mut field, mut ends) = (0, 0, 0, [0; 2]);
-        separators(text, &mut |end| {
-            if !node_field(field, &text[start..end]) {
-                return false;
-            }
-            if field < 2 {
-                ends[field] = end;
-            }
+    let mut start = 0;
+    let ok = text.ends_with(b"\n")
+        && memchr::memchr_iter(b'\n', text).all(|end| {
+            let line = &text[start..end];
             start = end + 1;
-            if text[end] == b' ' {
-                field += 1;
-                return true;
-            }
-            // A newline: at least the eight fields up to the link state.
-            if field < 7 {
+            let Some(parts) = node_line(line) else {
                 return false;
-            }
+            };
             if out.capacity() == 0 {
                 out.reserve(text.len() + 64);
             }
-            let (id, addr) = (&text[line..ends[0]], &text[ends[0] + 1..ends[1]]);
-            rewrite_fields(map, &text[line..end], id, addr, Some(&text[ends[1] + 1..end]), &mut out, report);
+            rewrite_parts(map, line, &parts, &mut out, report);
             out.push(b'\n');
-            (line, field) = (start, 0);
             true
-        })
-    };
+        });
     if !ok {
         report.rewritten = before.0;
         report.unknown.truncate(before.1);
         return Err(NotNodes);
     }
     Ok((report.rewritten > before.0).then_some(out))
-}
-
-/// Calls `at` with the position of each space and newline in `text`, in order, until it
-/// returns false; returns whether it never did. Eight bytes are tested at a time (SWAR):
-/// the separators of a NODES reply are a few bytes apart, too close for a memchr call per
-/// field to pay off.
-fn separators(text: &[u8], at: &mut impl FnMut(usize) -> bool) -> bool {
-    const LOW: u64 = 0x7f7f_7f7f_7f7f_7f7f;
-    const SPACES: u64 = 0x2020_2020_2020_2020;
-    const NEWLINES: u64 = 0x0a0a_0a0a_0a0a_0a0a;
-    // The high bit of each byte of `x` that is zero, and of no other (exact, unlike the
-    // shorter `(x - 0x01..) & !x & 0x80..`, which may mark a byte after a zero one).
-    let zeros = |x: u64| !(((x & LOW) + LOW) | x | LOW);
-    let mut words = text.chunks_exact(8);
-    let mut base = 0;
-    for word in &mut words {
-        let x = u64::from_le_bytes([
-            word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
-        ]);
-        let mut found = zeros(x ^ SPACES) | zeros(x ^ NEWLINES);
-        while found != 0 {
-            if !at(base + found.trailing_zeros() as usize / 8) {
-                return false;
-            }
-            found &= found - 1;
-        }
-        base += 8;
-    }
-    for (i, b) in words.remainder().iter().enumerate() {
-        if matches!(b, b' ' | b'\n') && !at(base + i) {
-            return false;
-        }
-    }
-    true
 }
 
 /// Whether `f` has the exact shape of a CLUSTER REPLICAS reply: an array of bulk strings,
@@ -123,27 +74,111 @@ pub fn is_replicas(f: &Frame<'_>) -> bool {
     };
     items
         .iter()
-        .all(|item| matches!(item, Frame::Bulk(line) if is_node_line(line)))
+        .all(|item| matches!(item, Frame::Bulk(line) if node_line(line).is_some()))
 }
 
-/// `<id> <ip:port@cport[,hostname]> <flags> <primary-id|-> <ping> <pong> <epoch>
-/// <link-state> [<slot>...]`, as `clusterGenNodeDescription` writes it.
-fn is_node_line(line: &[u8]) -> bool {
-    // One pass over the bytes with no allocation, the spaces found by memchr and each field
-    // checked as its space is found: a large cluster's reply has hundreds of lines, and
-    // this check runs before every rewrite.
-    let mut field = 0;
-    let mut start = 0;
-    for space in memchr::memchr_iter(b' ', line) {
-        if !node_field(field, &line[start..space]) {
-            return false;
+/// What the rewrite needs of a node line: its id and its address, split.
+struct NodeLine<'a> {
+    id: &'a [u8],
+    address: Address<'a>,
+    /// Where the address field ends: the rest of the line, from the space before the flags.
+    rest: usize,
+}
+
+/// `ip:port@cport[,hostname]`, split.
+struct Address<'a> {
+    ip: &'a [u8],
+    /// `None` if it is not a number within a u16.
+    port: Option<u16>,
+    /// `@cport`, the `@` included; empty if there is none.
+    cport: &'a [u8],
+    hostname: Option<&'a [u8]>,
+}
+
+/// The parts of `line` if it is a node line: `<id> <ip:port@cport[,hostname]> <flags>
+/// <primary-id|-> <ping> <pong> <epoch> <link-state> [<slot>...]`, as
+/// `clusterGenNodeDescription` writes it.
+///
+/// One pass, field after field, each checked as it is read and none searched for twice: a
+/// large cluster's reply has hundreds of lines, and this check runs before every rewrite.
+fn node_line(line: &[u8]) -> Option<NodeLine<'_>> {
+    // The id: 40 hex digits, then a space.
+    let id = line.get(..40).filter(|id| is_id(id))?;
+    let mut at = space(line, 40)?;
+    // The address: up to the next space, noting the first `@`, the last `:` before it and
+    // the first `,` after it.
+    let field = at;
+    let (mut colon, mut arobase, mut comma) = (None, None, None);
+    loop {
+        match *line.get(at)? {
+            b' ' => break,
+            b':' if arobase.is_none() => colon = Some(at),
+            b'@' if arobase.is_none() => arobase = Some(at),
+            b',' if arobase.is_some() && comma.is_none() => comma = Some(at),
+            _ => {}
         }
-        field += 1;
-        start = space + 1;
+        at += 1;
     }
-    // At least the eight fields up to the link state; none empty (a trailing space leaves an
-    // empty last one).
-    field >= 7 && node_field(field, &line[start..])
+    let (colon, arobase) = (colon?, arobase?);
+    let (port, cport) = (&line[colon + 1..arobase], &line[arobase + 1..comma.unwrap_or(at)]);
+    if !is_number(port) || !is_number(cport) {
+        return None;
+    }
+    let parts = NodeLine {
+        id,
+        address: Address {
+            ip: &line[field..colon],
+            port: parse_port(port),
+            cport: &line[arobase..comma.unwrap_or(at)],
+            hostname: comma.map(|c| &line[c + 1..at]),
+        },
+        rest: at,
+    };
+    // The flags: not empty.
+    at = word_end(line, at + 1)?;
+    // The primary's id, or `-`; `at` is the space before it.
+    let primary = line.get(at + 1..)?;
+    at = if primary.starts_with(b"- ") {
+        at + 3
+    } else if primary.get(..40).is_some_and(is_id) {
+        space(line, at + 41)?
+    } else {
+        return None;
+    };
+    // Ping sent, pong received, config epoch: numbers.
+    for _ in 0..3 {
+        let digits = line[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits == 0 {
+            return None;
+        }
+        at = space(line, at + digits)?;
+    }
+    // The link state, then the slots if any: words of at least one byte.
+    let after = [&b"connected"[..], b"disconnected"]
+        .into_iter()
+        .find_map(|state| line[at..].strip_prefix(state))?;
+    match after {
+        [] => Some(parts),
+        [b' ', slots @ ..] => {
+            let words = slots.first().is_some_and(|&b| b != b' ')
+                && slots.last() != Some(&b' ')
+                && !slots.windows(2).any(|w| w == b"  ");
+            words.then_some(parts)
+        }
+        _ => None,
+    }
+}
+
+/// The index after the space at `at`, if `line` has one there.
+fn space(line: &[u8], at: usize) -> Option<usize> {
+    (line.get(at) == Some(&b' ')).then_some(at + 1)
+}
+
+/// The index of the space that ends the word starting at `at`, if the word is not empty and
+/// a space follows it.
+fn word_end(line: &[u8], at: usize) -> Option<usize> {
+    let len = memchr::memchr(b' ', line.get(at..)?)?;
+    (len > 0).then_some(at + len)
 }
 
 /// A node id: 40 hex digits. Checked as a fixed-size array with no early exit, which the
@@ -163,32 +198,6 @@ fn is_number(f: &[u8]) -> bool {
     !f.is_empty() && f.iter().fold(true, |ok, b| ok & b.is_ascii_digit())
 }
 
-/// Field `k` of a node line, as `clusterGenNodeDescription` writes it.
-fn node_field(k: usize, f: &[u8]) -> bool {
-    match k {
-        0 => is_id(f),
-        // ip:port@cport[,hostname]
-        1 => {
-            let Some(at) = memchr::memchr(b'@', f) else {
-                return false;
-            };
-            let (hostport, tail) = (&f[..at], &f[at + 1..]);
-            let cport = &tail[..memchr::memchr(b',', tail).unwrap_or(tail.len())];
-            memchr::memrchr(b':', hostport).is_some_and(|c| is_number(&hostport[c + 1..]))
-                && is_number(cport)
-        }
-        // The flags.
-        2 => !f.is_empty(),
-        // The primary's id, or `-`.
-        3 => f == b"-" || is_id(f),
-        // Ping sent, pong received, config epoch.
-        4..=6 => is_number(f),
-        7 => matches!(f, b"connected" | b"disconnected"),
-        // The slots.
-        _ => !f.is_empty(),
-    }
-}
-
 /// `CLUSTER REPLICAS`: an array of lines without the trailing newline.
 pub fn replicas(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     let Frame::Array(_, items) = f else { return };
@@ -204,33 +213,25 @@ pub fn replicas(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
     }
 }
 
-/// One line; appends it, rewritten or not, to `out`.
+/// One line, not checked; appends it, rewritten or not, to `out`.
 fn rewrite_line(map: &AddressMap, line: &[u8], out: &mut Vec<u8>, report: &mut Report) {
     // `<id> <addr> <rest>`, split at the first two spaces.
     let Some(s0) = memchr::memchr(b' ', line) else {
         out.extend_from_slice(line);
         return;
     };
-    let (id, after) = (&line[..s0], &line[s0 + 1..]);
-    let (addr, rest) = match memchr::memchr(b' ', after) {
-        Some(s1) => (&after[..s1], Some(&after[s1 + 1..])),
-        None => (after, None),
+    let addr = &line[s0 + 1..];
+    let rest = s0 + 1 + memchr::memchr(b' ', addr).unwrap_or(addr.len());
+    let parts = NodeLine {
+        id: &line[..s0],
+        address: split_address(&line[s0 + 1..rest]),
+        rest,
     };
-    rewrite_fields(map, line, id, addr, rest, out, report);
+    rewrite_parts(map, line, &parts, out, report);
 }
 
-/// One line split into its id, its address and the rest; appends it, rewritten or not, to
-/// `out`.
-fn rewrite_fields(
-    map: &AddressMap,
-    line: &[u8],
-    id: &[u8],
-    addr: &[u8],
-    rest: Option<&[u8]>,
-    out: &mut Vec<u8>,
-    report: &mut Report,
-) {
-    // ip:port@cport[,hostname]
+/// `ip:port@cport[,hostname]`, split as far as it has those parts.
+fn split_address(addr: &[u8]) -> Address<'_> {
     let (hostport, tail) = match memchr::memchr(b'@', addr) {
         Some(at) => (&addr[..at], &addr[at..]),
         None => (addr, &b""[..]),
@@ -239,11 +240,33 @@ fn rewrite_fields(
         Some(c) => (&tail[..c], Some(&tail[c + 1..])),
         None => (tail, None),
     };
-    let colon = memchr::memrchr(b':', hostport);
-    let (ip, port) = match colon {
+    let (ip, port) = match memchr::memrchr(b':', hostport) {
         Some(c) => (&hostport[..c], parse_port(&hostport[c + 1..])),
         None => (hostport, None),
     };
+    Address {
+        ip,
+        port,
+        cport,
+        hostname,
+    }
+}
+
+/// `line` with its address rewritten, if the map knows the node, appended to `out`.
+fn rewrite_parts(
+    map: &AddressMap,
+    line: &[u8],
+    parts: &NodeLine<'_>,
+    out: &mut Vec<u8>,
+    report: &mut Report,
+) {
+    let NodeLine { id, ref address, rest } = *parts;
+    let Address {
+        ip,
+        port,
+        cport,
+        hostname,
+    } = *address;
     // `:0@0`: a node with no address yet keeps saying so.
     if ip.is_empty() && port == Some(0) {
         out.extend_from_slice(line);
@@ -272,10 +295,8 @@ fn rewrite_fields(
         out.push(b',');
         out.extend_from_slice(ext.host.as_bytes());
     }
-    if let Some(rest) = rest {
-        out.push(b' ');
-        out.extend_from_slice(rest);
-    }
+    // The rest from its space on, if there is a rest.
+    out.extend_from_slice(&line[rest..]);
 }
 
 #[cfg(test)]
@@ -309,6 +330,10 @@ mod tests {
             && fields[4..7].iter().all(|f| number(f))
             && matches!(fields[7], b"connected" | b"disconnected")
             && fields[8..].iter().all(|f| !f.is_empty())
+    }
+
+    fn is_node_line(line: &[u8]) -> bool {
+        node_line(line).is_some()
     }
 
     /// Replaces (op 0), removes (1) or inserts (2) a byte at each index.
@@ -363,18 +388,6 @@ mod tests {
     }
 
     proptest! {
-        #[test]
-        fn separators_are_the_spaces_and_newlines(text in prop::collection::vec(prop::sample::select(vec![b' ', b'\n', b'a', 0x20 ^ 0x80, 0x0a ^ 0x80, 0, 0xff, 0x21, 0x1f]), 0..40)) {
-            let want: Vec<usize> = (0..text.len()).filter(|&i| matches!(text[i], b' ' | b'\n')).collect();
-            let mut got = vec![];
-            let all = separators(&text, &mut |i| {
-                got.push(i);
-                true
-            });
-            prop_assert!(all);
-            prop_assert_eq!(got, want);
-        }
-
         /// Replies of real lines with bytes replaced, removed or added, through a map that
         /// knows one of their nodes: accepted as the reference accepts each line; then
         /// rewritten as each line is on its own, else with the report left as it was.
