@@ -80,7 +80,7 @@ impl Settings {
             requests_p16: 300_000,
             requests_64k: 2_000,
             requests_latency: 10_000,
-            requests_churn: 4_000,
+            requests_churn: 20_000,
             requests_cluster: 100_000,
             requests_moved: 10_000,
             idle: 10_000,

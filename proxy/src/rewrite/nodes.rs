@@ -375,6 +375,9 @@ mod tests {
             &format!("{PRIMARY} "),
             &PRIMARY.replacen(' ', "  ", 1),
             &REPLICA.replace(" connected", ""),
+            // A slot list that starts with a space: an empty first slot field.
+            &PRIMARY.replace("connected 0", "connected  "),
+            &PRIMARY.replace(" - 0 ", " -0 "),
             &REPLICA.replace("connected", "up"),
             &REPLICA.replace(":6379@", "6379@"),
             &REPLICA.replace("@16379", ""),
