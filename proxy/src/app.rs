@@ -234,6 +234,7 @@ impl Proxy {
             connections: connections.clone(),
             metrics: metrics.clone(),
             ready: ready.clone(),
+            refusals: crate::conn::listener::refusals(),
         });
         if let Some((listener, tls, (mode, reloader))) = tls_parts {
             let server = Arc::new(TlsServer {
@@ -244,6 +245,7 @@ impl Proxy {
                 forwarder: listeners.forwarder.clone(),
                 routes: routes.clone(),
                 metrics: metrics.clone(),
+                refusals: listeners.refusals.clone(),
             });
             if let Some(reloader) = reloader {
                 tasks.push(tokio::spawn(reloader));

@@ -3,6 +3,7 @@
 //! The modules layer one way: each imports only those above it in this list.
 //!
 //! - [`model`]: the route table (listener port → node); imports nothing else.
+//! - `throttle`: log lines a flood would repeat, one per key per period.
 //! - `resp`: the RESP scanner, frame model, request scanner and reply pairing.
 //! - `metrics`: Prometheus metrics, one struct per concern.
 //! - `rewrite`: the topology rewriters, the address map built from a table, and the
@@ -37,6 +38,7 @@ macro_rules! internal {
 
 pub mod model;
 internal! {
+    throttle;
     resp;
     metrics;
     rewrite;

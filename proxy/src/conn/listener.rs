@@ -16,6 +16,7 @@ use super::forward::Forwarder;
 use super::tls_port::TlsServer;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::source::RouteRx;
+use crate::throttle::Throttle;
 
 /// What every listener shares.
 pub struct Listeners {
@@ -34,6 +35,18 @@ pub struct Listeners {
     pub metrics: Arc<Metrics>,
     /// True while every port of a loaded table is bound.
     pub ready: Arc<AtomicBool>,
+    /// The warnings of refused connections, per reason (the metric counts each one).
+    pub refusals: Arc<Throttle<&'static str>>,
+}
+
+/// One warning per refusal reason per this long, which says how many were left out: a
+/// flood of connections past a limit must not become a flood of log lines.
+pub const REFUSALS_EVERY: Duration = Duration::from_secs(10);
+
+/// A throttle for the warnings of refused connections.
+pub fn refusals() -> Arc<Throttle<&'static str>> {
+    // The reasons are a handful of constants.
+    Arc::new(Throttle::new(REFUSALS_EVERY, 16))
 }
 
 impl Listeners {
@@ -135,11 +148,14 @@ impl Listeners {
             let Some(slot) = self.per_source.take(source) else {
                 self.reject("source_handshake_limit");
                 self.metrics.tls.refuse("source_handshake_limit");
-                tracing::warn!(
-                    port,
-                    %source,
-                    "TLS handshake budget of this client address used up; closing"
-                );
+                if let Some(left_out) = self.refusals.due(&"source_handshake_limit") {
+                    tracing::warn!(
+                        port,
+                        %source,
+                        left_out,
+                        "TLS handshake budget of this client address used up; closing"
+                    );
+                }
                 continue;
             };
             let handshake = Handshake {
@@ -192,14 +208,18 @@ impl Listeners {
                         // What Valkey itself says at maxclients. A fresh socket's send
                         // buffer takes the line at once; if not, the close alone says it.
                         let _ = socket.try_write(MAX_CLIENTS_REPLY);
-                        tracing::warn!(port, %peer, "connection limit reached; closing");
+                        if let Some(left_out) = self.refusals.due(&"connection_limit") {
+                            tracing::warn!(port, %peer, left_out, "connection limit reached; closing");
+                        }
                     }
                     Budget::Handshakes => {
                         // Nothing is sent: the client's first bytes are not read, and a TLS
                         // client could not read a RESP line anyway.
                         self.reject("handshake_limit");
                         self.metrics.tls.refuse("handshake_limit");
-                        tracing::warn!(port, %peer, "TLS handshake budget used up; closing");
+                        if let Some(left_out) = self.refusals.due(&"handshake_limit") {
+                            tracing::warn!(port, %peer, left_out, "TLS handshake budget used up; closing");
+                        }
                     }
                 },
             }

@@ -29,6 +29,7 @@ use crate::dial::BackendTls;
 use crate::metrics::{Metrics, ReasonLabels, TlsTargetLabels, TlsVersionLabels};
 use crate::model::{Backend, Route};
 use crate::source::RouteRx;
+use crate::throttle::Throttle;
 use crate::tls::certs::ServerConfigRx;
 use crate::tls::detect::{detect, DetectError, DetectLimits};
 use crate::tls::select::{Selected, Selector};
@@ -54,6 +55,8 @@ pub struct TlsServer {
     pub forwarder: Arc<Forwarder>,
     pub routes: RouteRx,
     pub metrics: Arc<Metrics>,
+    /// Shared with the listeners (see [`super::listener::refusals`]).
+    pub refusals: Arc<Throttle<&'static str>>,
 }
 
 impl TlsServer {
@@ -202,7 +205,9 @@ impl TlsServer {
                         reason: "connection_limit",
                     })
                     .inc();
-                tracing::warn!(port = self.port, ?peer, "connection limit reached; closing");
+                if let Some(left_out) = self.refusals.due(&"connection_limit") {
+                    tracing::warn!(port = self.port, ?peer, left_out, "connection limit reached; closing");
+                }
                 None
             }
         }

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use shardgate_crds::{node_hostname, Hostnames};
 
 use crate::model::{Host, Route, Routes};
+use crate::throttle::Throttle;
 
 /// Hash slots in a cluster.
 const SLOTS: usize = 16384;
@@ -287,8 +288,7 @@ pub struct UnknownAddresses {
     /// Wakes the route source; `None` for a source that does not refresh on request (a
     /// route file), so that the log does not claim a refresh.
     refresh: Option<Arc<Notify>>,
-    /// Address → when it was last logged, and how many times it was met since.
-    logged: Mutex<HashMap<String, (Instant, u64)>>,
+    logged: Throttle<String>,
 }
 
 impl UnknownAddresses {
@@ -301,7 +301,7 @@ impl UnknownAddresses {
     pub fn new(refresh: Option<Arc<Notify>>) -> Self {
         UnknownAddresses {
             refresh,
-            logged: Mutex::new(HashMap::new()),
+            logged: Throttle::new(Self::EVERY, Self::REMEMBERED),
         }
     }
 
@@ -320,29 +320,10 @@ impl UnknownAddresses {
     }
 
     fn log_at(&self, unknown: &[String], now: Instant) -> Vec<(String, u64)> {
-        let mut due = vec![];
-        {
-            let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
-            if logged.len() > Self::REMEMBERED {
-                logged.retain(|_, (at, _)| now.duration_since(*at) < Self::EVERY);
-            }
-            for addr in unknown {
-                match logged.get_mut(addr) {
-                    Some((at, suppressed)) if now.duration_since(*at) < Self::EVERY => {
-                        *suppressed += 1;
-                    }
-                    Some((at, suppressed)) => {
-                        due.push((addr.clone(), *suppressed));
-                        *at = now;
-                        *suppressed = 0;
-                    }
-                    None => {
-                        due.push((addr.clone(), 0));
-                        logged.insert(addr.clone(), (now, 0));
-                    }
-                }
-            }
-        }
+        let due: Vec<(String, u64)> = unknown
+            .iter()
+            .filter_map(|addr| Some((addr.clone(), self.logged.due_at(addr, now)?)))
+            .collect();
         for (addr, suppressed) in &due {
             if self.refresh.is_some() {
                 tracing::warn!(address = %addr, suppressed, "a reply names an address no route knows; forwarded unchanged, refresh requested");
