@@ -57,7 +57,10 @@ pub fn condition<'a>(vc: &'a ValkeyCluster, type_: &str) -> Option<&'a Condition
 pub fn compute(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Computed>) {
     let (phase, mut conditions) = compute_cluster(vc, o);
     if let Some(ext) = o.external {
-        conditions.push(external_condition(ext, o.desired_nodes));
+        // A cluster that has never formed refuses every command (CLUSTERDOWN): its
+        // endpoints are not access yet. Once formed, a lost node is Degraded's to report.
+        let forming = !matches!(o.progress, Progress::Formed(_)) && !was_formed(vc);
+        conditions.push(external_condition(ext, o.desired_nodes, forming));
     }
     if let Some(r) = o.gateway {
         conditions.push(gateway_condition(r));
@@ -96,9 +99,21 @@ fn gateway_condition(r: &Routing) -> Computed {
     }
 }
 
-/// ExternalAccessReady: true when every node has an external endpoint.
-fn external_condition(ext: &External, desired_nodes: usize) -> Computed {
-    if ext.missing.is_empty() && ext.endpoints.len() == desired_nodes {
+/// ExternalAccessReady: true when every node has an external endpoint and the cluster has
+/// formed (`forming`: not yet).
+fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Computed {
+    let all = ext.missing.is_empty() && ext.endpoints.len() == desired_nodes;
+    if all && forming {
+        return Computed {
+            type_: "ExternalAccessReady",
+            status: false,
+            reason: "ClusterForming",
+            message: format!(
+                "{desired_nodes} nodes have an external endpoint; the cluster is still forming, and refuses commands until it has"
+            ),
+        };
+    }
+    if all {
         Computed {
             type_: "ExternalAccessReady",
             status: true,
@@ -291,13 +306,19 @@ mod tests {
             endpoints: vec![endpoint(0, NodeRole::Replica)],
             missing: vec!["node 0-1: Service vc-shard-0 has no NodePort yet".into()],
         };
-        let c = external_condition(&ext, 2);
+        let c = external_condition(&ext, 2, false);
         assert!(!c.status);
         assert_eq!(c.reason, "EndpointsPending");
         assert!(c.message.contains("1 of 2 nodes") && c.message.contains("0-1"));
+        // While forming, what is missing is still what it says.
+        assert_eq!(external_condition(&ext, 2, true).reason, "EndpointsPending");
         ext.endpoints.push(endpoint(1, NodeRole::Primary));
         ext.missing.clear();
-        let c = external_condition(&ext, 2);
+        // Every endpoint, but no cluster yet: clients from outside would be refused.
+        let c = external_condition(&ext, 2, true);
+        assert!(!c.status);
+        assert_eq!(c.reason, "ClusterForming");
+        let c = external_condition(&ext, 2, false);
         assert!(c.status);
         assert!(
             c.message
@@ -305,5 +326,56 @@ mod tests {
             "{}",
             c.message
         );
+    }
+
+    /// Through `compute`: all endpoints while the cluster forms is not access yet; once it
+    /// has formed, a later wait (a lost node) does not take access away.
+    #[test]
+    fn external_access_waits_for_the_first_formation() {
+        use shardgate_crds::valkey_cluster::ValkeyClusterStatus;
+        let ext = External {
+            endpoints: vec![endpoint(0, NodeRole::Primary)],
+            missing: vec![],
+        };
+        let pods = Pods {
+            nodes: Default::default(),
+            unlabelled: vec![],
+        };
+        let external = |vc: &ValkeyCluster, progress: Progress| {
+            let o = Observed {
+                progress: &progress,
+                pods: &pods,
+                desired_nodes: 1,
+                shards: 1,
+                rolling: 0,
+                external: Some(&ext),
+                gateway: None,
+            };
+            let (_, conditions) = compute(vc, &o);
+            let c = conditions
+                .into_iter()
+                .find(|c| c.type_ == "ExternalAccessReady")
+                .expect("the condition, with external access on");
+            (c.status, c.reason)
+        };
+        let mut vc = ValkeyCluster::test("vc");
+        let waiting = || Progress::Waiting("meeting the nodes".into());
+        assert_eq!(external(&vc, waiting()), (false, "ClusterForming"));
+        assert_eq!(
+            external(&vc, Progress::Formed(Default::default())),
+            (true, "EndpointsReady")
+        );
+        vc.status = Some(ValkeyClusterStatus {
+            conditions: vec![Condition {
+                type_: "ClusterFormed".into(),
+                status: "True".into(),
+                reason: "Formed".into(),
+                message: String::new(),
+                observed_generation: None,
+                last_transition_time: Time(Timestamp::now()),
+            }],
+            ..Default::default()
+        });
+        assert_eq!(external(&vc, waiting()), (true, "EndpointsReady"));
     }
 }
