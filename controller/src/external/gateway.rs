@@ -277,6 +277,49 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
             }
         ));
     }
+    // Listeners there but reported unusable by the Gateway's controller: not accepted, not
+    // programmed, unresolved or conflicted (a port another listener has, say). A controller
+    // that reports no listener status is taken at its spec.
+    let statuses = gw
+        .status
+        .as_ref()
+        .and_then(|s| s.listeners.as_deref())
+        .unwrap_or_default();
+    let unusable: Vec<String> = tcp
+        .iter()
+        .filter(|(n, p)| {
+            expected
+                .iter()
+                .any(|e| e.port == *p && e.name.as_deref().is_none_or(|want| want == *n))
+        })
+        .filter_map(|(n, p)| {
+            let status = statuses.iter().find(|l| l.name == *n)?;
+            let bad: Vec<String> = status
+                .conditions
+                .iter()
+                .filter(|c| {
+                    let is_true = c.status == "True";
+                    match c.type_.as_str() {
+                        "Accepted" | "Programmed" | "ResolvedRefs" => !is_true,
+                        "Conflicted" => is_true,
+                        _ => false,
+                    }
+                })
+                .map(|c| format!("{}={} {}: {}", c.type_, c.status, c.reason, c.message))
+                .collect();
+            (!bad.is_empty()).then(|| format!("{n} (port {p}, {})", bad.join("; ")))
+        })
+        .collect();
+    if !unusable.is_empty() {
+        if problems.is_empty() {
+            reason = "ListenersNotProgrammed";
+        }
+        problems.push(format!(
+            "Gateway {name} reports listener{} not ready: {}",
+            if unusable.len() == 1 { "" } else { "s" },
+            unusable.join(", ")
+        ));
+    }
     // A route the Gateway's controller has not accepted (yet, or at all): its reason.
     let refused: Vec<String> = routes
         .iter()
@@ -493,5 +536,61 @@ mod tests {
             &[route],
         );
         assert_eq!(r.reason, "NoAddress");
+    }
+
+    /// A listener the Gateway's controller reports unusable (here: a port conflict) is a
+    /// problem; one it reports nothing about, or reports programmed, is not.
+    #[test]
+    fn listeners_reported_not_ready_are_a_problem() {
+        let mut gw = gateway(
+            json!([
+                { "name": "a", "port": 31000, "protocol": "TCP" },
+                { "name": "b", "port": 31001, "protocol": "TCP" },
+                { "name": "c", "port": 31002, "protocol": "TCP" },
+            ]),
+            Some("127.0.0.9"),
+        );
+        let condition = |type_: &str, status: &str, reason: &str| {
+            json!({
+                "type": type_, "status": status, "reason": reason, "message": "",
+                "lastTransitionTime": "2026-11-30T00:00:00Z",
+            })
+        };
+        let status = json!({
+            "addresses": [{ "type": "IPAddress", "value": "127.0.0.9" }],
+            "listeners": [
+                {
+                    "name": "a", "attachedRoutes": 1,
+                    "conditions": [condition("Programmed", "True", "Programmed")],
+                },
+                {
+                    "name": "b", "attachedRoutes": 0,
+                    "conditions": [
+                        condition("Accepted", "True", "Accepted"),
+                        condition("Conflicted", "True", "ProtocolConflict"),
+                        condition("Programmed", "False", "Invalid"),
+                    ],
+                },
+            ],
+        });
+        gw.status = Some(serde_json::from_value(status).unwrap());
+        let r = observe(&gw, expected(&[31000, 31001, 31002]), &[]);
+        assert_eq!(r.reason, "ListenersNotProgrammed");
+        assert!(
+            r.problems[0].contains(
+                "b (port 31001, Conflicted=True ProtocolConflict: ; Programmed=False Invalid: )"
+            ) && !r.problems[0].contains("a (")
+                && !r.problems[0].contains("c ("),
+            "{:?}",
+            r.problems
+        );
+        assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+        // A listener no route expects is none of this cluster's business.
+        let r = observe(&gw, expected(&[31000]), &[]);
+        assert!(
+            r.problems.iter().all(|p| !p.contains("listener")),
+            "{:?}",
+            r.problems
+        );
     }
 }
