@@ -302,12 +302,13 @@ pub fn slot_addresses(reply: &redis::Value) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// A cluster client seeded with `status.bootstrap` only does `keys` SET/GET, and CLUSTER
-/// SLOTS asked through the first bootstrap address names only `status.externalEndpoints`
-/// (no pod address).
+/// A cluster client seeded with `status.bootstrap` (cluster `name`'s) only does `keys`
+/// SET/GET, and CLUSTER SLOTS asked through the first bootstrap address names only
+/// `status.externalEndpoints` (no address of one of `name`'s pods).
 pub async fn only_external_addresses(
     client: &Client,
     ns: &str,
+    name: &str,
     status: &shardgate_crds::ValkeyClusterStatus,
     keys: usize,
 ) -> Result<()> {
@@ -330,7 +331,7 @@ pub async fn only_external_addresses(
         let v: String = conn.get(k).await?;
         ensure!(&v == k, "{k} read back {v}");
     }
-    let pods = pod_addrs(client, ns, "vc").await?;
+    let pods = pod_addrs(client, ns, name).await?;
     let pod_ips: std::collections::BTreeSet<String> =
         pods.values().map(|a| a.ip().to_string()).collect();
     // Ready says every node is in place; the seed's view of the others may still be a

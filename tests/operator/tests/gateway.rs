@@ -183,7 +183,7 @@ async fn routes_every_node(env: TestEnv) -> Result<()> {
 
     // Clients that know only the Gateway: a cluster client seeded with the bootstrap list
     // does 10,000 SET/GET, and topology replies name only the Gateway's address.
-    only_external_addresses(client, ns, &status, 10_000).await?;
+    only_external_addresses(client, ns, "vc", &status, 10_000).await?;
     let seeds = bootstrap_seeds(&vc)?;
     ensure!(
         seeds.iter().all(|a| a.ip() == gw.ip()),
@@ -272,7 +272,7 @@ async fn added_and_removed(env: TestEnv) -> Result<()> {
     ensure!(routes(client, ns).await?.len() == 2);
     let seeds = bootstrap_seeds(&vc)?;
     ensure!(seeds.iter().all(|a| a.ip() == gw.ip()), "{seeds:?}");
-    only_external_addresses(client, ns, vc.status.as_ref().context("status")?, 200).await?;
+    only_external_addresses(client, ns, "vc", vc.status.as_ref().context("status")?, 200).await?;
 
     // Removed: the routes go, the Services are NodePorts again, and status says nothing of
     // a gateway any more.

@@ -834,7 +834,7 @@ async fn announce_nodeport_serves_external_clients(env: TestEnv) -> Result<()> {
 
     // A cluster client that knows only the bootstrap addresses: 10,000 SET/GET; CLUSTER
     // SLOTS seen through a NodePort names only external addresses.
-    only_external_addresses(&client, &ns, &status, 10_000).await?;
+    only_external_addresses(&client, &ns, "vc", &status, 10_000).await?;
 
     // redis-cli -c through one NodePort: 10,000 SET/GET over every slot, following MOVED.
     let seed = seeds[0];
@@ -1125,7 +1125,7 @@ async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<
         );
     }
     ensure!(status.external_endpoints.len() == 4, "{status:?}");
-    only_external_addresses(&client, &ns, &status, 1_000).await?;
+    only_external_addresses(&client, &ns, "vc", &status, 1_000).await?;
 
     // Replicas 1 -> 0: the replicas' Services go.
     set_spec(&client, &ns, json!({ "replicas": 0 })).await?;
@@ -1142,7 +1142,7 @@ async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<
     let vc = wait_external_ready(&client, &ns, "vc").await?;
     let status = vc.status.context("status")?;
     ensure!(status.external_endpoints.len() == 2, "{status:?}");
-    only_external_addresses(&client, &ns, &status, 1_000).await?;
+    only_external_addresses(&client, &ns, "vc", &status, 1_000).await?;
     operator.stop().await;
     Ok(())
 }
@@ -1177,7 +1177,7 @@ async fn announce_load_balancer(env: TestEnv) -> Result<()> {
         );
     }
     ensure!(status.external_endpoints.len() == 4, "{status:?}");
-    only_external_addresses(&client, &ns, &status, 1_000).await?;
+    only_external_addresses(&client, &ns, "vc", &status, 1_000).await?;
     operator.stop().await;
     Ok(())
 }

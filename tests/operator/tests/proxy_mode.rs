@@ -112,7 +112,7 @@ async fn outside_and_inside(env: TestEnv) -> Result<()> {
 
     // From outside: the Rust cluster client (10,000 SET/GET, and SLOTS/NODES/SHARDS name only
     // the load balancer), redis-cli -c, redis-benchmark --cluster and redis-py.
-    only_external_addresses(client, ns, &status, 10_000).await?;
+    only_external_addresses(client, ns, "vc", &status, 10_000).await?;
     let seed = seeds[0];
     tokio::task::spawn_blocking(move || redis_cli_set_get(seed, 10_000)).await??;
     tokio::task::spawn_blocking(move || redis_benchmark_cluster(seed, 10_000)).await??;
@@ -469,7 +469,7 @@ async fn scale_out(env: TestEnv) -> Result<()> {
         ensure!(v.is_some(), "acknowledged {key} lost while scaling");
     }
     let status = vc.status.clone().context("status")?;
-    only_external_addresses(client, ns, &status, 1_000).await?;
+    only_external_addresses(client, ns, "vc", &status, 1_000).await?;
     // The proxy pods that served the writes are the ones serving the new shard.
     ensure!(
         proxy_pods(client.clone(), ns.clone()).await? == proxies,
