@@ -262,19 +262,21 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
         .and_then(|s| s.addresses.as_ref())
         .and_then(|a| a.iter().find(|a| !a.value.is_empty()))
         .map(|a| a.value.clone());
-    let mut problems = Vec::new();
-    let mut reason = "RoutesAccepted";
+    // Every problem, the first one's reason for the condition.
+    let mut problems: Vec<(&'static str, String)> = Vec::new();
     if !missing_ports.is_empty() {
-        reason = "ListenersMissing";
-        problems.push(format!(
-            "Gateway {name} has no TCP listener on port{} {}{}",
-            if missing_ports.len() == 1 { "" } else { "s" },
-            ranges(&missing_ports),
-            if expected.iter().any(|e| e.name.is_some()) {
-                " (with the expected names)"
-            } else {
-                ""
-            }
+        problems.push((
+            "ListenersMissing",
+            format!(
+                "Gateway {name} has no TCP listener on port{} {}{}",
+                if missing_ports.len() == 1 { "" } else { "s" },
+                ranges(&missing_ports),
+                if expected.iter().any(|e| e.name.is_some()) {
+                    " (with the expected names)"
+                } else {
+                    ""
+                }
+            ),
         ));
     }
     // Listeners there but reported unusable by the Gateway's controller: not accepted, not
@@ -311,13 +313,13 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
         })
         .collect();
     if !unusable.is_empty() {
-        if problems.is_empty() {
-            reason = "ListenersNotProgrammed";
-        }
-        problems.push(format!(
-            "Gateway {name} reports listener{} not ready: {}",
-            if unusable.len() == 1 { "" } else { "s" },
-            unusable.join(", ")
+        problems.push((
+            "ListenersNotProgrammed",
+            format!(
+                "Gateway {name} reports listener{} not ready: {}",
+                if unusable.len() == 1 { "" } else { "s" },
+                unusable.join(", ")
+            ),
         ));
     }
     // A route the Gateway's controller has not accepted (yet, or at all): its reason.
@@ -340,20 +342,21 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
         })
         .collect();
     if !refused.is_empty() {
-        if problems.is_empty() {
-            reason = "RoutesNotAccepted";
-        }
-        problems.push(format!(
-            "routes not accepted by Gateway {name}: {}",
-            refused.join(", ")
+        problems.push((
+            "RoutesNotAccepted",
+            format!(
+                "routes not accepted by Gateway {name}: {}",
+                refused.join(", ")
+            ),
         ));
     }
     if address.is_none() {
-        if problems.is_empty() {
-            reason = "NoAddress";
-        }
-        problems.push(format!("Gateway {name} has no address in its status yet"));
+        problems.push((
+            "NoAddress",
+            format!("Gateway {name} has no address in its status yet"),
+        ));
     }
+    let reason = problems.first().map_or("RoutesAccepted", |(r, _)| *r);
     Routing {
         status: GatewayRouting {
             name,
@@ -361,7 +364,7 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
             expected_listeners: expected,
             missing_ports,
         },
-        problems,
+        problems: problems.into_iter().map(|(_, what)| what).collect(),
         reason,
     }
 }

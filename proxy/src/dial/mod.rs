@@ -220,7 +220,12 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let _client = TcpStream::connect(addr).await.unwrap();
         let (accepted, _) = listener.accept().await.unwrap();
-        let s = socket2::SockRef::from(&accepted);
+        assert_tuned(&accepted);
+    }
+
+    /// The options of both legs: TCP_NODELAY, keepalive after 60 s, then every 10 s.
+    fn assert_tuned(stream: &TcpStream) {
+        let s = socket2::SockRef::from(stream);
         assert!(s.tcp_nodelay().unwrap());
         assert!(s.keepalive().unwrap());
         assert_eq!(s.tcp_keepalive_time().unwrap(), Duration::from_secs(60));
@@ -235,11 +240,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let stream = connect(addr).await.unwrap();
         assert_eq!(stream.peer_addr().unwrap(), addr);
-        let s = socket2::SockRef::from(&stream);
-        assert!(s.tcp_nodelay().unwrap());
-        assert!(s.keepalive().unwrap());
-        assert_eq!(s.tcp_keepalive_time().unwrap(), Duration::from_secs(60));
-        assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(10));
+        assert_tuned(&stream);
     }
 
     /// The slow path: a listener whose accept queue is full drops the SYN, so the connect
