@@ -1,5 +1,6 @@
 //! Log lines that a flood would repeat: a connection refused at a limit, an address no route
-//! knows. One line per key per period, which says how many were left out since the last.
+//! knows. One line per key per period, which says how many were left out since the last
+//! (`suppressed` in the line).
 //! The metrics count every one; the log only has to say that it is happening.
 
 use std::collections::HashMap;
@@ -13,8 +14,9 @@ use tokio::time::Instant;
 #[derive(Debug)]
 pub struct Throttle<K> {
     every: Duration,
-    /// Keys remembered at most: past it, those whose period is over are forgotten, so that
-    /// many distinct keys (bogus addresses in replies, say) cannot grow the map.
+    /// Past this many keys, those whose period is over are forgotten (at each call until
+    /// the map is back under it), so that distinct keys met over time (bogus addresses in
+    /// replies, say) do not pile up. Keys met within one period are all kept.
     remembered: usize,
     /// Key → when its last line was logged, and how many were left out since.
     last: Mutex<HashMap<K, (Instant, u64)>>,

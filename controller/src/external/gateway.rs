@@ -281,7 +281,7 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
     }
     // Listeners there but reported unusable by the Gateway's controller: not accepted, not
     // programmed, unresolved or conflicted (a port another listener has, say). A controller
-    // that reports no listener status is taken at its spec.
+    // that reports no listener status, or no condition of a listener, is taken at its spec.
     let statuses = gw
         .status
         .as_ref()
@@ -299,6 +299,12 @@ pub fn observe(gw: &Gateway, expected: Vec<ExpectedListener>, routes: &[TcpRoute
             let bad: Vec<String> = status
                 .conditions
                 .iter()
+                // A condition written for an older spec says nothing of this one (a
+                // conflict the user has since fixed, say).
+                .filter(|c| {
+                    !matches!((c.observed_generation, gw.metadata.generation),
+                        (Some(seen), Some(now)) if seen < now)
+                })
                 .filter(|c| {
                     let is_true = c.status == "True";
                     match c.type_.as_str() {
@@ -587,6 +593,34 @@ mod tests {
             "{:?}",
             r.problems
         );
+        assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+        // Not accepted, or a reference unresolved: the same. Conditions written for an
+        // older generation of the Gateway are not read.
+        let mut status = serde_json::to_value(gw.status.as_ref().unwrap()).unwrap();
+        status["listeners"][1]["conditions"] = json!([
+            condition("Accepted", "False", "PortUnavailable"),
+            condition("ResolvedRefs", "False", "InvalidRouteKinds"),
+        ]);
+        status["listeners"][0]["conditions"] = json!([{
+            "type": "Programmed", "status": "False", "reason": "Pending", "message": "",
+            "observedGeneration": 1, "lastTransitionTime": "2026-11-30T00:00:00Z",
+        }]);
+        gw.status = Some(serde_json::from_value(status).unwrap());
+        gw.metadata.generation = Some(2);
+        let r = observe(&gw, expected(&[31000, 31001, 31002]), &[]);
+        assert_eq!(
+            r.problems,
+            ["Gateway gw reports listener not ready: b (port 31001, Accepted=False PortUnavailable: ; ResolvedRefs=False InvalidRouteKinds: )"]
+        );
+        // A route that names its listener (sectionName) is not served by another one on
+        // its port: that listener's status is not its business either.
+        let named = vec![ExpectedListener {
+            port: 31001,
+            name: Some("valkey-1".into()),
+            route: "r".into(),
+        }];
+        let r = observe(&gw, named, &[]);
+        assert_eq!(r.reason, "ListenersMissing");
         assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
         // A listener no route expects is none of this cluster's business.
         let r = observe(&gw, expected(&[31000]), &[]);

@@ -261,7 +261,7 @@ impl Forwarder {
                 backend: route.backend.to_string(),
                 source,
             })?;
-        // The client socket has its options from the listener (`dial::tune_listener`).
+        // The client socket has its options from the listener (`dial::listen`).
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
         let rewrite = route.rewrite.then_some(Addresses::Ports);

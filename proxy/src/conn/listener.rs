@@ -35,18 +35,21 @@ pub struct Listeners {
     pub metrics: Arc<Metrics>,
     /// True while every port of a loaded table is bound.
     pub ready: Arc<AtomicBool>,
-    /// The warnings of refused connections, per reason (the metric counts each one).
-    pub refusals: Arc<Throttle<&'static str>>,
+    /// The warnings of refused connections (the metric counts each one).
+    pub refusals: Arc<Refusals>,
 }
 
-/// One warning per refusal reason per this long, which says how many were left out: a
-/// flood of connections past a limit must not become a flood of log lines.
+/// Warnings of refused connections, one per key per [`REFUSALS_EVERY`]: the reason, and
+/// for a per-address budget the client address (so that each abusive source is named).
+pub type Refusals = Throttle<(&'static str, Option<IpAddr>)>;
+
+/// One warning per refusal key per this long, which says how many were left out: a flood
+/// of connections past a limit must not become a flood of log lines.
 pub const REFUSALS_EVERY: Duration = Duration::from_secs(10);
 
 /// A throttle for the warnings of refused connections.
-pub fn refusals() -> Arc<Throttle<&'static str>> {
-    // The reasons are a handful of constants.
-    Arc::new(Throttle::new(REFUSALS_EVERY, 16))
+pub fn refusals() -> Arc<Refusals> {
+    Arc::new(Throttle::new(REFUSALS_EVERY, 1024))
 }
 
 impl Listeners {
@@ -148,11 +151,11 @@ impl Listeners {
             let Some(slot) = self.per_source.take(source) else {
                 self.reject("source_handshake_limit");
                 self.metrics.tls.refuse("source_handshake_limit");
-                if let Some(left_out) = self.refusals.due(&"source_handshake_limit") {
+                if let Some(suppressed) = self.refusals.due(&("source_handshake_limit", Some(source))) {
                     tracing::warn!(
                         port,
                         %source,
-                        left_out,
+                        suppressed,
                         "TLS handshake budget of this client address used up; closing"
                     );
                 }
@@ -208,8 +211,8 @@ impl Listeners {
                         // What Valkey itself says at maxclients. A fresh socket's send
                         // buffer takes the line at once; if not, the close alone says it.
                         let _ = socket.try_write(MAX_CLIENTS_REPLY);
-                        if let Some(left_out) = self.refusals.due(&"connection_limit") {
-                            tracing::warn!(port, %peer, left_out, "connection limit reached; closing");
+                        if let Some(suppressed) = self.refusals.due(&("connection_limit", None)) {
+                            tracing::warn!(port, %peer, suppressed, "connection limit reached; closing");
                         }
                     }
                     Budget::Handshakes => {
@@ -217,8 +220,8 @@ impl Listeners {
                         // client could not read a RESP line anyway.
                         self.reject("handshake_limit");
                         self.metrics.tls.refuse("handshake_limit");
-                        if let Some(left_out) = self.refusals.due(&"handshake_limit") {
-                            tracing::warn!(port, %peer, left_out, "TLS handshake budget used up; closing");
+                        if let Some(suppressed) = self.refusals.due(&("handshake_limit", None)) {
+                            tracing::warn!(port, %peer, suppressed, "TLS handshake budget used up; closing");
                         }
                     }
                 },

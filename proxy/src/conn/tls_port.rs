@@ -24,12 +24,11 @@ use tokio_rustls::TlsAcceptor;
 
 use super::buffers::Held;
 use super::forward::{Addresses, Closed, ForwardError, Forwarder, Side};
-use super::listener::{Handshake, MAX_CLIENTS_REPLY};
+use super::listener::{Handshake, Refusals, MAX_CLIENTS_REPLY};
 use crate::dial::BackendTls;
 use crate::metrics::{Metrics, ReasonLabels, TlsTargetLabels, TlsVersionLabels};
 use crate::model::{Backend, Route};
 use crate::source::RouteRx;
-use crate::throttle::Throttle;
 use crate::tls::certs::ServerConfigRx;
 use crate::tls::detect::{detect, DetectError, DetectLimits};
 use crate::tls::select::{Selected, Selector};
@@ -56,7 +55,7 @@ pub struct TlsServer {
     pub routes: RouteRx,
     pub metrics: Arc<Metrics>,
     /// Shared with the listeners (see [`super::listener::refusals`]).
-    pub refusals: Arc<Throttle<&'static str>>,
+    pub refusals: Arc<Refusals>,
 }
 
 impl TlsServer {
@@ -205,8 +204,8 @@ impl TlsServer {
                         reason: "connection_limit",
                     })
                     .inc();
-                if let Some(left_out) = self.refusals.due(&"connection_limit") {
-                    tracing::warn!(port = self.port, ?peer, left_out, "connection limit reached; closing");
+                if let Some(suppressed) = self.refusals.due(&("connection_limit", None)) {
+                    tracing::warn!(port = self.port, ?peer, suppressed, "connection limit reached; closing");
                 }
                 None
             }

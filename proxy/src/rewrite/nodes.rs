@@ -363,11 +363,16 @@ mod tests {
 
     const PRIMARY: &str = "e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001,vc-0-0 myself,master - 0 0 1 connected 0-5460";
     const REPLICA: &str = "67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1 10.0.0.2:6379@16379 slave e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 0 1796001046000 1 connected";
+    /// A replica whose link is down, with a capital in its id and its primary's, and a node
+    /// with no address yet (`:0@0`).
+    const DOWN: &str = "67ED2db8d677e59ec4a4cefb06858cf2a1a89fa1 :0@0 slave,fail E7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 0 1796001046000 1 disconnected";
 
     #[test]
     fn node_lines_as_valkey_writes_them_and_near_misses() {
-        for line in [PRIMARY, REPLICA] {
+        let disconnected = REPLICA.replace(" connected", " disconnected");
+        for line in [PRIMARY, REPLICA, &disconnected, DOWN] {
             assert!(is_node_line(line.as_bytes()), "{line}");
+            assert!(reference(line.as_bytes()), "{line}");
         }
         let misses = [
             "",
@@ -379,6 +384,8 @@ mod tests {
             &PRIMARY.replace("connected 0", "connected  "),
             &PRIMARY.replace(" - 0 ", " -0 "),
             &REPLICA.replace("connected", "up"),
+            &REPLICA.replace("connected", "disconnectedx"),
+            &REPLICA.replace(" connected", " dis connected"),
             &REPLICA.replace(":6379@", "6379@"),
             &REPLICA.replace("@16379", ""),
             &REPLICA.replace(" 0 ", " x "),
@@ -396,7 +403,7 @@ mod tests {
         /// rewritten as each line is on its own, else with the report left as it was.
         #[test]
         fn a_reply_is_rewritten_as_its_lines_are(
-            lines in prop::collection::vec(prop::sample::select(vec![PRIMARY, REPLICA]), 1..4),
+            lines in prop::collection::vec(prop::sample::select(vec![PRIMARY, REPLICA, DOWN]), 1..4),
             edits in prop::collection::vec((any::<prop::sample::Index>(), prop::sample::select(vec![b' ', b'\n', b'@', b':', b'0', b'x']), 0u8..3), 0..3),
         ) {
             let mut text = lines.join("\n").into_bytes();
@@ -427,7 +434,7 @@ mod tests {
         /// the reference says.
         #[test]
         fn agrees_with_the_reference(
-            base in prop::sample::select(vec![PRIMARY, REPLICA]),
+            base in prop::sample::select(vec![PRIMARY, REPLICA, DOWN]),
             edits in prop::collection::vec((any::<prop::sample::Index>(), prop::sample::select(vec![b' ', b'@', b':', b',', b'-', b'a', b'0', b'x']), 0u8..3), 0..4),
         ) {
             let mut line = base.as_bytes().to_vec();
