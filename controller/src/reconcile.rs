@@ -159,9 +159,13 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         }
         None => BTreeMap::new(),
     };
-    for what in external::announce::set_runtime_ips(&pods, &node_hosts, ctx.timeouts).await {
-        info!(cluster = %name, "{what}");
-        publish(ctx, vc, EventType::Normal, "AnnounceAddress", &what).await;
+    // Only nodes that announce: without announce mode their pods have no announce flags
+    // (a change of mode rolls them), and nothing was set at run time to keep or clear.
+    if ea.is_some() {
+        for what in external::announce::set_runtime_ips(&pods, &node_hosts, ctx.timeouts).await {
+            info!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Normal, "AnnounceAddress", &what).await;
+        }
     }
     let plan = Plan {
         shards: vc.spec.shards as u32,

@@ -83,58 +83,102 @@ pub fn announced(args: &[String]) -> Announced {
     }
 }
 
-/// The client IPs known only once a pod runs (the address of the Kubernetes node its NodePort
-/// is reached at, when no `advertisedHost` is given): they cannot be on the command line,
-/// so they are set at run time (`CONFIG SET cluster-announce-client-ipv4`), and checked on
-/// every reconcile (a restarted pod has lost it). Host names are not set (the hostname is
-/// announced from `domain`). Returns what it changed.
+/// The client IPs known only once a pod runs (a LoadBalancer's ingress, a Gateway's address,
+/// the address of the Kubernetes node its NodePort is reached at): they cannot be on the
+/// command line, so they are set at run time (`CONFIG SET cluster-announce-client-ipv4`),
+/// and checked on every reconcile (a restarted pod has lost it). A node whose pod announces
+/// no IP on its command line and that `hosts` gives no IP (a host name, or no host known any
+/// more) has the one set before cleared, so that clients are not sent to an address that
+/// is no longer its. Host names are not set (the hostname is announced from `domain`).
+/// Returns what it changed.
 pub async fn set_runtime_ips(
     pods: &Pods,
     hosts: &BTreeMap<NodeRef, String>,
     timeouts: Timeouts,
 ) -> Vec<String> {
     let mut changed = Vec::new();
-    for (node, host) in hosts {
-        let Ok(ip) = host.parse::<IpAddr>() else {
+    for (node, pod) in &pods.nodes {
+        // The command line's own IP (an `advertisedHost` that is one) is not for this.
+        if pod.announced.ip.is_some() {
+            continue;
+        }
+        let Some(addr) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
             continue;
         };
-        let Some(addr) = pods
-            .nodes
-            .get(node)
-            .filter(|p| p.ready && !p.deleting)
-            .and_then(|p| p.addr)
-        else {
-            continue;
+        let ip = hosts.get(node).and_then(|h| h.parse::<IpAddr>().ok());
+        let result = match ip {
+            Some(ip) => set_announced_ip(addr, ip, timeouts).await,
+            None => clear_announced_ip(addr, timeouts).await,
         };
-        let key = match ip {
-            IpAddr::V4(_) => "cluster-announce-client-ipv4",
-            IpAddr::V6(_) => "cluster-announce-client-ipv6",
-        };
-        let wanted = ip.to_string();
-        let set = async {
-            let mut c = Client::connect(addr, timeouts).await?;
-            let now = c.command(["CONFIG", "GET", key]).await?;
-            let current = match &now {
-                Reply::Array(kv) => match kv.get(1) {
-                    Some(Reply::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-                    _ => String::new(),
-                },
-                _ => String::new(),
-            };
-            if current == wanted {
-                return Ok(false);
+        match (result, ip) {
+            (Ok(true), Some(ip)) => {
+                changed.push(format!("node {node} announces client address {ip}"))
             }
-            c.command(["CONFIG", "SET", key, wanted.as_str()]).await?;
-            Ok::<_, shardgate_admin_client::Error>(true)
-        };
-        match set.await {
-            Ok(true) => changed.push(format!("node {node} announces client address {ip}")),
-            Ok(false) => {}
+            (Ok(true), None) => changed.push(format!(
+                "node {node} no longer announces a client address of its own (its pod IP instead)"
+            )),
+            (Ok(false), _) => {}
             // The pod is not answering: formation waits for it, and this is tried again.
-            Err(e) => tracing::debug!("node {node} at {addr}: {e}"),
+            (Err(e), _) => tracing::debug!("node {node} at {addr}: {e}"),
         }
     }
     changed
+}
+
+/// The config keys of the announced client IP, v4 and v6.
+const ANNOUNCED_IP_KEYS: [&str; 2] = [
+    "cluster-announce-client-ipv4",
+    "cluster-announce-client-ipv6",
+];
+
+/// Sets the node at `addr` to announce `ip` as its client address (and not an IP of the
+/// other family). Whether it changed anything.
+async fn set_announced_ip(
+    addr: std::net::SocketAddr,
+    ip: IpAddr,
+    timeouts: Timeouts,
+) -> Result<bool, shardgate_admin_client::Error> {
+    let wanted = ip.to_string();
+    let [v4, v6] = ANNOUNCED_IP_KEYS;
+    let (key, other) = if ip.is_ipv4() { (v4, v6) } else { (v6, v4) };
+    let mut c = Client::connect(addr, timeouts).await?;
+    let mut changed = false;
+    if config_get(&mut c, key).await? != wanted {
+        c.command(["CONFIG", "SET", key, wanted.as_str()]).await?;
+        changed = true;
+    }
+    if !config_get(&mut c, other).await?.is_empty() {
+        c.command(["CONFIG", "SET", other, ""]).await?;
+        changed = true;
+    }
+    Ok(changed)
+}
+
+/// Clears the client IPs the node at `addr` was set to announce. Whether there was one.
+async fn clear_announced_ip(
+    addr: std::net::SocketAddr,
+    timeouts: Timeouts,
+) -> Result<bool, shardgate_admin_client::Error> {
+    let mut c = Client::connect(addr, timeouts).await?;
+    let mut changed = false;
+    for key in ANNOUNCED_IP_KEYS {
+        if !config_get(&mut c, key).await?.is_empty() {
+            c.command(["CONFIG", "SET", key, ""]).await?;
+            changed = true;
+        }
+    }
+    Ok(changed)
+}
+
+/// A config value as text; empty when unset.
+async fn config_get(c: &mut Client, key: &str) -> Result<String, shardgate_admin_client::Error> {
+    Ok(match c.command(["CONFIG", "GET", key]).await? {
+        Reply::Array(kv) => match kv.get(1) {
+            Some(Reply::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            _ => String::new(),
+        },
+        _ => String::new(),
+    })
 }
 
 /// The hash a node's pod runs with: the config's, or, with announce flags, a hash of both
@@ -215,5 +259,76 @@ mod tests {
         assert_ne!(a, b);
         assert_ne!(a, "abc");
         assert_eq!(a.len(), 16);
+    }
+
+    /// Against a real node: an IP is set at run time, and cleared again once the node's
+    /// host is no IP (a name, or none known); an IP on the command line is left alone.
+    #[tokio::test]
+    async fn run_time_ips_are_set_and_cleared() {
+        use crate::pods::NodePod;
+        use shardgate_harness::valkey::{ClusterSpec, ValkeyCluster};
+        let cluster = tokio::task::spawn_blocking(|| ValkeyCluster::start(ClusterSpec::new(1, 0)))
+            .await
+            .unwrap()
+            .expect("a one-node Valkey cluster (run scripts/setup for valkey-server)");
+        let node = NodeRef::new(0, 0);
+        let addr = cluster.node(node).addr();
+        let pod = NodePod {
+            name: "vc-0-0-0".into(),
+            addr: Some(addr),
+            ready: true,
+            config_hash: None,
+            deleting: false,
+            node_name: None,
+            announced: Announced::default(),
+        };
+        let mut pods = Pods::default();
+        pods.nodes.insert(node, pod);
+        let timeouts = Timeouts::default();
+        let get = |key: &'static str| async move {
+            let mut c = Client::connect(addr, Timeouts::default()).await.unwrap();
+            config_get(&mut c, key).await.unwrap()
+        };
+        let hosts = |h: &str| BTreeMap::from([(node, h.to_string())]);
+        let [v4, v6] = ANNOUNCED_IP_KEYS;
+
+        let changed = set_runtime_ips(&pods, &hosts("203.0.113.7"), timeouts).await;
+        assert_eq!(changed, ["node 0-0 announces client address 203.0.113.7"]);
+        assert_eq!(get(v4).await, "203.0.113.7");
+        // Already so: nothing to do.
+        assert!(set_runtime_ips(&pods, &hosts("203.0.113.7"), timeouts)
+            .await
+            .is_empty());
+        // Another family: the other key, and the first cleared.
+        assert_eq!(
+            set_runtime_ips(&pods, &hosts("2001:db8::7"), timeouts)
+                .await
+                .len(),
+            1
+        );
+        assert_eq!(
+            (get(v4).await, get(v6).await),
+            (String::new(), "2001:db8::7".to_string())
+        );
+        // A host name: no IP of its own any more.
+        let changed = set_runtime_ips(&pods, &hosts("valkey.example.test"), timeouts).await;
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!(
+            (get(v4).await, get(v6).await),
+            (String::new(), String::new())
+        );
+        // No host known: the same, and nothing left to clear.
+        assert!(set_runtime_ips(&pods, &BTreeMap::new(), timeouts)
+            .await
+            .is_empty());
+        // An IP on the command line is the pod's own: not touched.
+        set_runtime_ips(&pods, &hosts("203.0.113.7"), timeouts).await;
+        if let Some(p) = pods.nodes.get_mut(&node) {
+            p.announced.ip = Some("203.0.113.7".parse().unwrap());
+        }
+        assert!(set_runtime_ips(&pods, &BTreeMap::new(), timeouts)
+            .await
+            .is_empty());
+        assert_eq!(get(v4).await, "203.0.113.7");
     }
 }
