@@ -223,6 +223,7 @@ impl Proxy {
                 (!matches!(config.source, SourceConfig::File { .. }))
                     .then(|| publisher.refresh_requests()),
             ),
+            warnings: crate::conn::forward::warnings(),
         });
         let listeners = Arc::new(Listeners {
             listen_ip: config.listen_ip,

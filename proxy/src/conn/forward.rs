@@ -42,6 +42,7 @@ use crate::rewrite::addresses::UnknownAddresses;
 use crate::rewrite::stream::{Limits, ReplySide, RequestSide, Segment, Shared};
 use crate::rewrite::{AddressMap, Report};
 use crate::source::RouteRx;
+use crate::throttle::Throttle;
 
 /// Which side an error came from (as pingora tags them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +167,18 @@ pub struct Forwarder {
     pub limits: Limits,
     /// Addresses no route knows: logged (rate-limited), and the route source woken.
     pub unknown: UnknownAddresses,
+    /// Warnings of connections that ended badly, one per listener port and outcome per
+    /// [`WARNINGS_EVERY`]: a backend down while clients reconnect in a loop must not flood
+    /// the log (`connections_closed_total` counts every one).
+    pub warnings: Throttle<(u16, &'static str)>,
+}
+
+/// See [`Forwarder::warnings`].
+pub const WARNINGS_EVERY: Duration = Duration::from_secs(10);
+
+/// The throttle for [`Forwarder::warnings`].
+pub fn warnings() -> Throttle<(u16, &'static str)> {
+    Throttle::new(WARNINGS_EVERY, 1024)
 }
 
 impl Forwarder {
@@ -239,7 +252,9 @@ impl Forwarder {
                 | ForwardError::Limit { .. }
                 | ForwardError::Lost(_)),
             ) => {
-                tracing::warn!(port, ?peer, backend = %backend, "{e}")
+                if let Some(suppressed) = self.warnings.due(&(port, e.label())) {
+                    tracing::warn!(port, ?peer, backend = %backend, suppressed, "{e}")
+                }
             }
             Err(e) => {
                 tracing::debug!(port, ?peer, backend = %backend, "connection ended: {e}")
