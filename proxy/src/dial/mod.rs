@@ -153,30 +153,14 @@ pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
     Ok(stream)
 }
 
-/// A non-blocking TCP socket for `addr`'s family: made so in the one `socket` call where
-/// the system can, with a separate `fcntl` elsewhere (macOS).
+/// A non-blocking TCP socket for `addr`'s family: made so in the `socket` call itself on
+/// Linux, with a separate `fcntl` elsewhere.
 fn nonblocking_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
     let domain = socket2::Domain::for_address(addr);
     let tcp = Some(socket2::Protocol::TCP);
-    #[cfg(any(
-        target_os = "linux",
-        target_os = "android",
-        target_os = "freebsd",
-        target_os = "netbsd",
-        target_os = "openbsd",
-        target_os = "dragonfly",
-        target_os = "illumos",
-    ))]
+    #[cfg(target_os = "linux")]
     let socket = socket2::Socket::new(domain, socket2::Type::STREAM.nonblocking(), tcp)?;
-    #[cfg(not(any(
-        target_os = "linux",
-        target_os = "android",
-        target_os = "freebsd",
-        target_os = "netbsd",
-        target_os = "openbsd",
-        target_os = "dragonfly",
-        target_os = "illumos",
-    )))]
+    #[cfg(not(target_os = "linux"))]
     let socket = {
         let s = socket2::Socket::new(domain, socket2::Type::STREAM, tcp)?;
         s.set_nonblocking(true)?;

@@ -77,13 +77,6 @@ impl Resolver {
     /// Connects to the backend, trying each of its addresses in turn, within `timeout` in all.
     pub async fn dial(&self, backend: &Backend, timeout: Duration) -> Result<TcpStream, DialError> {
         let attempt = async {
-            // An address needs no list (nor its allocation per connection).
-            if let Host::Ip(ip) = &backend.host {
-                let addr = SocketAddr::new(*ip, backend.port);
-                return super::connect(addr)
-                    .await
-                    .map_err(|source| DialError::Connect { addr, source });
-            }
             let addrs = self.resolve(backend).await?;
             let mut last = None;
             for addr in addrs {
