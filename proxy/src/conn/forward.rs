@@ -19,18 +19,19 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::buffers::{Buffer, Source};
+use super::sink::Sink;
 use crate::dial::{DialError, Dialer};
 use crate::metrics::{
     BytesLabels, KindLabels, Metrics, PerThreadCounter, PortLabels, ReasonLabels, RewriteLabels,
@@ -285,7 +286,8 @@ impl Forwarder {
 
     /// Copies client → backend and backend → client until both are done, the connection
     /// idles out or the drain ends. With `rewrite`, the replies' topology is rewritten to
-    /// that address map.
+    /// that address map. The caller closes both sockets when it returns: a plain writer
+    /// whose stream ended both ways is left to that close ([`Sink::CLOSE_ENDS_STREAM`]).
     pub async fn relay<CR, CW, BR, BW>(
         &self,
         port: u16,
@@ -297,9 +299,9 @@ impl Forwarder {
     ) -> Result<Closed, ForwardError>
     where
         CR: Source,
-        CW: AsyncWrite + Unpin + Send,
+        CW: Sink,
         BR: Source,
-        BW: AsyncWrite + Unpin + Send,
+        BW: Sink,
     {
         let m = &self.metrics.connections;
         let up = m
@@ -343,9 +345,9 @@ impl Forwarder {
     ) -> Result<(), ForwardError>
     where
         CR: Source,
-        CW: AsyncWrite + Unpin + Send,
+        CW: Sink,
         BR: Source,
-        BW: AsyncWrite + Unpin + Send,
+        BW: Sink,
     {
         let size = self.buffer_size;
         match rewrite {
@@ -378,9 +380,9 @@ impl Forwarder {
     ) -> Result<(), ForwardError>
     where
         CR: Source,
-        CW: AsyncWrite + Unpin + Send,
+        CW: Sink,
         BR: Source,
-        BW: AsyncWrite + Unpin + Send,
+        BW: Sink,
     {
         let shared = Shared::new(self.rewrite_info);
         let rejected = (self.metrics.rewrite.protocol_errors)
@@ -609,9 +611,21 @@ impl Observer for Replies<'_> {
 }
 
 /// Writes all of `bytes` and flushes: a TLS stream may hold written bytes in its buffer
-/// when the socket was full, and nothing else would push them out (a no-op on TCP).
-async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: &[u8]) -> std::io::Result<()> {
-    to.write_all(bytes).await?;
+/// when the socket was full, and nothing else would push them out (a no-op on TCP). With
+/// `now`, what the socket takes at once is written without waiting for the runtime to have
+/// seen it writable ([`Sink::write_now`]).
+async fn send<W: Sink>(to: &mut W, bytes: &[u8], now: bool) -> std::io::Result<()> {
+    let mut done = 0;
+    if now {
+        match to.write_now(bytes) {
+            Ok(n) => done = n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if done < bytes.len() {
+        to.write_all(&bytes[done..]).await?;
+    }
     to.flush().await
 }
 
@@ -640,7 +654,7 @@ fn copy<'a, R, W, O>(
 ) -> impl Future<Output = Result<(), ForwardError>> + Send + 'a
 where
     R: Source + 'a,
-    W: AsyncWrite + Unpin + Send + 'a,
+    W: Sink + 'a,
     O: Observer + 'a,
 {
     async move {
@@ -649,13 +663,21 @@ where
             Side::Backend => Side::Client,
         };
         let mut slot: Option<Buffer> = None;
+        // Only the first write needs it: the runtime learns of a dialled socket's
+        // writability from that first trip through the event loop at the latest.
+        let mut first = true;
         loop {
             observer.ready().await;
             let n = eof_ok(from.read_into(&mut slot, buffer_size).await)
                 .map_err(|source| ForwardError::Io { side, source })?;
             if n == 0 {
-                // The peer may already be gone; that is not this connection's error.
-                let _ = to.shutdown().await;
+                // When the other direction has read its end too, the connection's sockets
+                // are closed next, and a plain socket's close sends the FIN that shutdown
+                // would: one system call fewer per connection.
+                if !(clock.end_of_stream() && W::CLOSE_ENDS_STREAM) {
+                    // The peer may already be gone; that is not this connection's error.
+                    let _ = to.shutdown().await;
+                }
                 return Ok(());
             }
             let Some(buf) = &slot else {
@@ -670,7 +692,8 @@ where
                 }
             })?;
             if !out.is_empty() {
-                if let Err(source) = send(&mut to, out).await {
+                let now = std::mem::replace(&mut first, false);
+                if let Err(source) = send(&mut to, out, now).await {
                     if side == Side::Client {
                         // The backend closed its end (QUIT, a protocol error): what it sent
                         // before is still forwarded by the other direction, as a direct client
@@ -711,10 +734,12 @@ fn eof_ok(read: std::io::Result<usize>) -> std::io::Result<usize> {
     }
 }
 
-/// When bytes last moved, in milliseconds since the connection started.
+/// When bytes last moved, in milliseconds since the connection started, and how many
+/// directions have read their end of stream.
 struct Activity {
     start: Instant,
     last_ms: AtomicU64,
+    ended: AtomicU8,
 }
 
 impl Activity {
@@ -722,7 +747,14 @@ impl Activity {
         Activity {
             start: Instant::now(),
             last_ms: AtomicU64::new(0),
+            ended: AtomicU8::new(0),
         }
+    }
+
+    /// Notes that one direction read its end of stream: whether the other had already.
+    /// Then neither socket has bytes left unread (a close sends a FIN, not a reset).
+    fn end_of_stream(&self) -> bool {
+        self.ended.fetch_add(1, Ordering::Relaxed) > 0
     }
 
     fn touch(&self) {

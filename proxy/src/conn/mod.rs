@@ -3,12 +3,15 @@
 //! - [`listener`]: one accept loop per node port and the TLS port (connection limit,
 //!   backoff, stop), and the supervisor that keeps the bound ports equal to the table's.
 //! - [`buffers`]: read buffers taken only while bytes are in flight.
+//! - [`sink`]: the write side: a first write without a trip through the event loop, and
+//!   whether closing a socket ends its stream as a shutdown would.
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
 //!   then pass the TLS stream through or terminate it and forward.
 
 mod buffers;
+mod sink;
 pub mod forward;
 pub mod listener;
 pub mod tls_port;

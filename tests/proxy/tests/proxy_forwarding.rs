@@ -393,3 +393,64 @@ async fn a_new_table_applies_to_new_connections_and_open_ones_keep_their_backend
     });
     p.shutdown().await;
 }
+
+/// A half-close passes through both ways, and a connection ended both ways is closed with
+/// a FIN: the client reads everything the node sent, then its end, never a reset. The node
+/// is a scripted TCP peer, not Valkey: Valkey closes both ways at once and never
+/// half-closes, so it cannot show either direction on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_closes_pass_both_ways_and_the_end_is_a_fin() {
+    let node = std::net::TcpListener::bind((LO, 0)).unwrap();
+    let node_port = node.local_addr().unwrap().port();
+    let dir = std::env::temp_dir().join(format!("shardgate-half-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = free_port_range(LO, 1);
+    let p = proxy(
+        routes_file(&dir, base, &[format!("127.0.0.1:{node_port}")]),
+        |_| {},
+    )
+    .await;
+    let node = std::thread::spawn(move || {
+        let read_all = |s: &mut TcpStream| {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).map(|_| got)
+        };
+        // The client ends first: the node reads to its end, then answers and closes.
+        let (mut s, _) = node.accept().unwrap();
+        let got = read_all(&mut s).unwrap();
+        s.write_all(format!("+{}\r\n", got.len()).as_bytes())
+            .unwrap();
+        drop(s);
+        // The node ends first: it says goodbye and half-closes, then reads the client's
+        // last words to their end.
+        let (mut s, _) = node.accept().unwrap();
+        s.write_all(b"+BYE\r\n").unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        read_all(&mut s).unwrap()
+    });
+    block_in_place(|| {
+        let mut c = connect(base);
+        c.write_all(b"*1\r\n$4\r\nPING\r\n").unwrap();
+        c.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut back = Vec::new();
+        c.read_to_end(&mut back)
+            .expect("the end of a connection closed both ways was not a FIN");
+        assert_eq!(back, b"+14\r\n", "the node did not see the client's end");
+
+        let mut c = connect(base);
+        let mut back = Vec::new();
+        c.read_to_end(&mut back)
+            .expect("the node's half-close did not reach the client");
+        assert_eq!(back, b"+BYE\r\n");
+        c.write_all(b"*1\r\n$4\r\nQUIT\r\n").unwrap();
+        c.shutdown(std::net::Shutdown::Write).unwrap();
+    });
+    let last_words = block_in_place(|| node.join()).unwrap();
+    assert_eq!(
+        last_words, b"*1\r\n$4\r\nQUIT\r\n",
+        "the client's bytes after the node's half-close were lost"
+    );
+    p.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,100 @@
+//! The write side of the copy loop: what a plain TCP half can do that tokio's `AsyncWrite`
+//! does not say.
+//!
+//! Both save work on connections that last one request (a client that connects, sends a
+//! command, reads the reply and closes): a trip through the event loop before the first
+//! write to a node, and a `shutdown` before a `close` that sends the same FIN.
+
+use std::io;
+
+use tokio::io::AsyncWrite;
+use tokio::net::tcp;
+
+/// A writer the copy loop hands bytes to.
+pub trait Sink: AsyncWrite + Unpin + Send {
+    /// Whether dropping the writer's socket ends the stream as `shutdown` would: true of a
+    /// plain TCP socket whose received bytes were all read (close then sends a FIN, not a
+    /// reset); false of TLS, whose shutdown also says close_notify.
+    const CLOSE_ENDS_STREAM: bool;
+
+    /// Writes what the socket takes now, without waiting for the runtime to have seen it
+    /// writable; `WouldBlock` when it takes nothing, or cannot be written this way.
+    fn write_now(&mut self, _bytes: &[u8]) -> io::Result<usize> {
+        Err(io::ErrorKind::WouldBlock.into())
+    }
+}
+
+/// Sockets from `send` with no SIGPIPE on a closed peer: EPIPE comes back as an error, as
+/// with tokio's own writes. (Rust binaries ignore SIGPIPE anyway where there is no flag.)
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const NO_SIGNAL: libc::c_int = libc::MSG_NOSIGNAL;
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+const NO_SIGNAL: libc::c_int = 0;
+
+impl Sink for tcp::WriteHalf<'_> {
+    const CLOSE_ENDS_STREAM: bool = true;
+
+    /// tokio marks a socket writable only after epoll says so, except sockets it accepted
+    /// itself: a dialled node's socket, connected before tokio saw it (`dial::connect`),
+    /// would wait one trip through the event loop for its first write. Sent straight, that
+    /// write goes out at once. tokio's readiness is left as it was; it learns the socket's
+    /// state from epoll as before, and a write it tries on stale readiness just finds
+    /// `WouldBlock` and waits.
+    fn write_now(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let stream: &tokio::net::TcpStream = self.as_ref();
+        socket2::SockRef::from(stream).send_with_flags(bytes, NO_SIGNAL)
+    }
+}
+
+/// TLS streams (split by `tokio::io::split`) write through the runtime, and shut down.
+impl<T: AsyncWrite + Send> Sink for tokio::io::WriteHalf<T> {
+    const CLOSE_ENDS_STREAM: bool = false;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A socket tokio did not accept, written at once: the bytes reach the peer.
+    #[tokio::test]
+    async fn write_now_sends_on_a_dialled_socket() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut dialled = crate::dial::connect(addr).await.unwrap();
+        let (mut accepted, _) = listener.accept().await.unwrap();
+        let (_, mut w) = dialled.split();
+        assert_eq!(w.write_now(b"PING\r\n").unwrap(), 6);
+        let mut got = [0u8; 6];
+        accepted.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"PING\r\n");
+    }
+
+    /// A peer that is gone gives an error, not a signal that would end the process.
+    #[tokio::test]
+    async fn write_now_to_a_closed_peer_is_an_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut dialled = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        // A reset, not a FIN: the next write fails at once.
+        socket2::SockRef::from(&accepted)
+            .set_linger(Some(std::time::Duration::ZERO))
+            .unwrap();
+        drop(accepted);
+        let (_, mut w) = dialled.split();
+        let mut errors = 0;
+        // The reset may land after the first write; the second then fails.
+        for _ in 0..100 {
+            match w.write_now(b"PING\r\n") {
+                Ok(_) => tokio::task::yield_now().await,
+                Err(e) => {
+                    assert_ne!(e.kind(), io::ErrorKind::WouldBlock, "{e}");
+                    errors += 1;
+                    break;
+                }
+            }
+        }
+        assert_eq!(errors, 1, "no write failed after the peer reset");
+    }
+}
