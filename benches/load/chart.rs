@@ -14,10 +14,11 @@ use crate::peers::Kind;
 use crate::report::{columns, stat, Environment, Sample};
 use crate::{Settings, Workload};
 
-const PROXIES: [Kind; 5] = [
+const PROXIES: [Kind; 6] = [
     Kind::Pass,
     Kind::Rewrite,
     Kind::Haproxy,
+    Kind::HaproxyKeepalive,
     Kind::Nginx,
     Kind::Traefik,
 ];
@@ -27,6 +28,7 @@ fn color(k: Kind) -> RGBColor {
         Kind::Pass => RGBColor(31, 119, 180),
         Kind::Rewrite => RGBColor(106, 174, 214),
         Kind::Haproxy => RGBColor(214, 39, 40),
+        Kind::HaproxyKeepalive => RGBColor(255, 152, 150),
         Kind::Nginx => RGBColor(44, 160, 44),
         Kind::Traefik => RGBColor(148, 103, 189),
         Kind::Direct => RGBColor(0, 0, 0),

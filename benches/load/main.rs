@@ -144,7 +144,7 @@ impl Settings {
                 other => bail!(
                     "unknown argument {other:?}; use --quick, --rounds N, --threads 1,2, \
                      --idle N, --out DIR, --note TEXT, --peers direct,pass,rewrite,haproxy,\
-                     nginx,traefik, --workloads \"GET P1,idle\""
+                     haproxy-ka,nginx,traefik, --workloads \"GET P1,idle\""
                 ),
             }
         }
@@ -294,7 +294,8 @@ fn fresh_peer(peer: &Peer, s: &Settings) -> Result<Option<Peer>> {
         Kind::Direct => return Ok(None),
         Kind::Pass => Peer::shardgate(&dir, RouteSpec::Standalone(backend), false, t)?,
         Kind::Rewrite => Peer::shardgate(&dir, RouteSpec::Standalone(backend), true, t)?,
-        Kind::Haproxy => Peer::haproxy(&dir, backend, t, s.idle + 200)?,
+        Kind::Haproxy => Peer::haproxy(&dir, backend, t, s.idle + 200, false)?,
+        Kind::HaproxyKeepalive => Peer::haproxy(&dir, backend, t, s.idle + 200, true)?,
         Kind::Nginx => Peer::nginx(&dir, backend, t, s.idle + 50)?,
         Kind::Traefik => Peer::traefik(&dir, backend, t)?,
     }))
@@ -411,7 +412,10 @@ fn main() -> Result<()> {
             )?);
         }
         if wanted(Kind::Haproxy) {
-            standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200)?);
+            standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200, false)?);
+        }
+        if wanted(Kind::HaproxyKeepalive) {
+            standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200, true)?);
         }
         if wanted(Kind::Nginx) {
             standalone.push(Peer::nginx(&dir, backend, t, settings.idle + 50)?);

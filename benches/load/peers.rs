@@ -29,6 +29,9 @@ pub enum Kind {
     Pass,
     Rewrite,
     Haproxy,
+    /// HAProxy with TCP keepalive on both legs at shardgate's times: the same work per
+    /// connection.
+    HaproxyKeepalive,
     Nginx,
     Traefik,
 }
@@ -41,10 +44,12 @@ impl Kind {
             "pass" => Kind::Pass,
             "rewrite" => Kind::Rewrite,
             "haproxy" => Kind::Haproxy,
+            "haproxy-ka" => Kind::HaproxyKeepalive,
             "nginx" => Kind::Nginx,
             "traefik" => Kind::Traefik,
             other => anyhow::bail!(
-                "unknown data plane {other:?}: direct, pass, rewrite, haproxy, nginx or traefik"
+                "unknown data plane {other:?}: direct, pass, rewrite, haproxy, haproxy-ka, \
+                 nginx or traefik"
             ),
         })
     }
@@ -55,6 +60,7 @@ impl Kind {
             Kind::Pass => "shardgate pass-through",
             Kind::Rewrite => "shardgate rewrite",
             Kind::Haproxy => "HAProxy tcp",
+            Kind::HaproxyKeepalive => "HAProxy tcp keepalive",
             Kind::Nginx => "nginx stream",
             Kind::Traefik => "Traefik TCP",
         }
@@ -152,22 +158,41 @@ impl Peer {
 
     /// HAProxy 2.x, `mode tcp`, `nbthread threads`, for up to `conns` client connections
     /// (it asks for about two descriptors each, and refuses to start past the hard limit).
-    pub fn haproxy(dir: &Path, backend: SocketAddr, threads: u8, conns: usize) -> Result<Peer> {
+    /// With `keepalive`, TCP keepalive on both legs after 60 s, then every 10 s, as
+    /// shardgate sets it (`option tcpka`; HAProxy sets it on each socket it accepts or
+    /// opens).
+    pub fn haproxy(
+        dir: &Path,
+        backend: SocketAddr,
+        threads: u8,
+        conns: usize,
+        keepalive: bool,
+    ) -> Result<Peer> {
         let port = free_port(LO);
-        let name = format!("haproxy-{threads}");
+        let (kind, name) = if keepalive {
+            (Kind::HaproxyKeepalive, format!("haproxy-ka-{threads}"))
+        } else {
+            (Kind::Haproxy, format!("haproxy-{threads}"))
+        };
+        let tcpka = if keepalive {
+            "  option tcpka\n  clitcpka-idle 60s\n  clitcpka-intvl 10s\n\
+             srvtcpka-idle 60s\n  srvtcpka-intvl 10s\n"
+        } else {
+            ""
+        };
         let cfg = dir.join(format!("{name}.cfg"));
         std::fs::write(
             &cfg,
             format!(
                 "global\n  nbthread {threads}\n  maxconn {conns}\n\
-                 defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n\
+                 defaults\n  mode tcp\n{tcpka}  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n\
                  frontend fe\n  bind 127.0.0.1:{port}\n  default_backend be\n\
                  backend be\n  server valkey {backend}\n"
             ),
         )?;
         let mut cmd = Command::new(tool("SHARDGATE_HAPROXY", "/usr/sbin/haproxy")?);
         cmd.arg("-db").arg("-f").arg(&cfg);
-        Peer::spawn(dir, &name, cmd, Kind::Haproxy, threads, port)
+        Peer::spawn(dir, &name, cmd, kind, threads, port)
     }
 
     /// nginx with the `stream` module: a master and `threads` workers, each allowed `conns`

@@ -102,6 +102,7 @@ pub fn columns(threads: u8, cluster: bool) -> Vec<(Kind, String)> {
             Kind::Pass,
             Kind::Rewrite,
             Kind::Haproxy,
+            Kind::HaproxyKeepalive,
             Kind::Nginx,
             Kind::Traefik,
         ]
@@ -353,7 +354,10 @@ pub fn markdown(
          fresh instance of the data plane, holds N connections open through it, each answered \
          one PING, and divides its RSS growth by N; the cluster rows are redis-benchmark `--cluster` through the proxy's ports (the \
          topology rewritten) and a client that sends each key to the next node round robin and \
-         follows `-MOVED` (about two thirds of the GETs are redirected). Proxy CPU per request \
+         follows `-MOVED` (about two thirds of the GETs are redirected). \"HAProxy tcp \
+         keepalive\" is HAProxy with TCP keepalive on both legs at shardgate's times (`option \
+         tcpka`, 60 s then every 10 s): the same socket options per connection as shardgate, \
+         which HAProxy's defaults leave out. Proxy CPU per request \
          is the data plane's CPU time (user + system, from its threads' `schedstat`, which \
          counts nanoseconds where `/proc/<pid>/stat`'s utime + stime count 10 ms ticks) over \
          the run divided by its requests.\n\n",
