@@ -76,8 +76,8 @@ impl Settings {
         let full = Settings {
             rounds: 5,
             threads: vec![1, 2],
-            requests_p1: 20_000,
-            requests_p16: 300_000,
+            requests_p1: 50_000,
+            requests_p16: 1_500_000,
             requests_64k: 2_000,
             requests_latency: 10_000,
             requests_churn: 20_000,
