@@ -99,8 +99,9 @@ fn gateway_condition(r: &Routing) -> Computed {
     }
 }
 
-/// ExternalAccessReady: true when every node has an external endpoint and the cluster has
-/// formed (`forming`: not yet).
+/// ExternalAccessReady: true when every node has an external endpoint, one that clients are
+/// handed (not a DNS name under `preferredEndpointType: ip`), and the cluster has formed
+/// (`forming`: not yet).
 fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Computed {
     let all = ext.missing.is_empty() && ext.endpoints.len() == desired_nodes;
     if all && forming {
@@ -110,6 +111,20 @@ fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Co
             reason: "ClusterForming",
             message: format!(
                 "{desired_nodes} nodes have an external endpoint; the cluster is still forming, and refuses commands until it has"
+            ),
+        };
+    }
+    if all && !ext.names_not_handed_out.is_empty() {
+        return Computed {
+            type_: "ExternalAccessReady",
+            status: false,
+            reason: "HostnamesNotPreferred",
+            message: format!(
+                "nodes are reached at DNS names ({}), but Valkey hands out names only as hostnames, \
+                 so clients would be redirected to the pods' own IPs: set preferredEndpointType: \
+                 hostname, with a domain whose per-node names resolve to them (serviceAnnotations \
+                 can ask external-dns for them) or an advertisedHost that is a DNS name",
+                ext.names_not_handed_out.join(", ")
             ),
         };
     }
@@ -305,6 +320,7 @@ mod tests {
         let mut ext = External {
             endpoints: vec![endpoint(0, NodeRole::Replica)],
             missing: vec!["node 0-1: Service vc-shard-0 has no NodePort yet".into()],
+            names_not_handed_out: vec![],
         };
         let c = external_condition(&ext, 2, false);
         assert!(!c.status);
@@ -328,6 +344,28 @@ mod tests {
         );
     }
 
+    /// Every node has an endpoint, but some are DNS names that Valkey would not hand out:
+    /// not ready, and the message says how to have them handed out.
+    #[test]
+    fn names_not_handed_out_are_not_access() {
+        let ext = External {
+            endpoints: vec![endpoint(0, NodeRole::Primary)],
+            missing: vec![],
+            names_not_handed_out: vec!["node 0-0: lb-1.elb.example.com".into()],
+        };
+        let c = external_condition(&ext, 1, false);
+        assert!(!c.status);
+        assert_eq!(c.reason, "HostnamesNotPreferred");
+        assert!(
+            c.message.contains("lb-1.elb.example.com")
+                && c.message.contains("preferredEndpointType: hostname"),
+            "{}",
+            c.message
+        );
+        // While forming, forming is what it says.
+        assert_eq!(external_condition(&ext, 1, true).reason, "ClusterForming");
+    }
+
     /// Through `compute`: all endpoints while the cluster forms is not access yet; once it
     /// has formed, a later wait (a lost node) does not take access away.
     #[test]
@@ -336,6 +374,7 @@ mod tests {
         let ext = External {
             endpoints: vec![endpoint(0, NodeRole::Primary)],
             missing: vec![],
+            names_not_handed_out: vec![],
         };
         let pods = Pods {
             nodes: Default::default(),

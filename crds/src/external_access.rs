@@ -129,13 +129,20 @@ impl From<ProxyTlsMode> for crate::settings::TlsMode {
     }
 }
 
+/// Whether `host` is a DNS name rather than an IP: it has a letter and no colon (an IPv4
+/// address has no letter, an IPv6 address has colons). The CEL rule on
+/// `preferredEndpointType` tests `advertisedHost` the same way.
+pub fn is_dns_name(host: &str) -> bool {
+    !host.contains(':') && host.bytes().any(|b| b.is_ascii_alphabetic())
+}
+
 /// `spec.externalAccess`: per-node external endpoints, by Services (announce mode), Gateway
 /// API TCPRoutes (`gateway`) or the shardgate proxy (`proxy`).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("!has(self.preferredEndpointType) || self.preferredEndpointType != 'hostname' || (has(self.domain) && self.domain != '')")
-        .message("domain is required when preferredEndpointType is hostname")
+    validation = Rule::new("!has(self.preferredEndpointType) || self.preferredEndpointType != 'hostname' || (has(self.domain) && self.domain != '') || (has(self.advertisedHost) && !self.advertisedHost.contains(':') && self.advertisedHost.matches('[a-zA-Z]'))")
+        .message("domain, or an advertisedHost that is a DNS name, is required when preferredEndpointType is hostname")
         .field_path(".domain")
         .reason(Reason::FieldValueRequired),
     validation = Rule::new("!has(self.proxy) || !has(self.proxy.tls) || (has(self.domain) && self.domain != '')")
@@ -175,7 +182,9 @@ pub struct ExternalAccess {
     pub base_port: Option<i32>,
 
     /// The host (IP or DNS name) external clients reach the NodePorts at. Unset: a node's
-    /// address of type `nodeAddressType`.
+    /// address of type `nodeAddressType`. Announced as the nodes' client IP when it is an
+    /// IP; when it is a DNS name and no `domain` is set, as every node's hostname, which
+    /// clients are handed with `preferredEndpointType: hostname`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub advertised_host: Option<String>,
@@ -198,8 +207,8 @@ pub struct ExternalAccess {
 
     /// The DNS domain of the per-node, per-shard and bootstrap names
     /// (`<hostnamePrefix>-<s>-<n>.<domain>`, `<hostnamePrefix>-<s>.<domain>`,
-    /// `<hostnamePrefix>.<domain>`). Required when `preferredEndpointType` is `hostname` and
-    /// when `proxy.tls` is set.
+    /// `<hostnamePrefix>.<domain>`). Required when `proxy.tls` is set, and when
+    /// `preferredEndpointType` is `hostname` unless `advertisedHost` is a DNS name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = DOMAIN_MAX_LEN), regex(pattern = DOMAIN_PATTERN))]
     pub domain: Option<String>,
@@ -210,7 +219,8 @@ pub struct ExternalAccess {
     pub hostname_prefix: Option<String>,
 
     /// `ip` (default) or `hostname`: Valkey's `cluster-preferred-endpoint-type`. To turn
-    /// hostnames off safely, set `ip` first, then remove the domain.
+    /// hostnames off safely, set `ip` first, then remove the domain (or the name in
+    /// `advertisedHost`); to turn them on, the other way round.
     #[serde(default)]
     pub preferred_endpoint_type: EndpointType,
 
@@ -252,6 +262,11 @@ impl ExternalAccess {
             ServiceType::ClusterIP => None,
             ServiceType::NodePort | ServiceType::LoadBalancer => self.external_traffic_policy,
         }
+    }
+
+    /// `advertisedHost` when it is a DNS name rather than an IP ([`is_dns_name`]).
+    pub fn advertised_name(&self) -> Option<&str> {
+        self.advertised_host.as_deref().filter(|h| is_dns_name(h))
     }
 
     /// The block's hostnames, when a domain is set: the prefix is `hostnamePrefix`, else the

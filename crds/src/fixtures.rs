@@ -134,6 +134,11 @@ impl ExternalAccess {
         self
     }
 
+    pub fn advertised_host(mut self, host: &str) -> Self {
+        self.advertised_host = Some(host.into());
+        self
+    }
+
     pub fn hostname_prefix(mut self, prefix: &str) -> Self {
         self.hostname_prefix = Some(prefix.into());
         self

@@ -13,7 +13,7 @@
 //! | `portsPerShard ≥ replicas + 1` | CEL on the spec |
 //! | `basePort + shards * stride - 1 <= 65535`, for each base port set | CEL on the spec, one rule per field |
 //! | the proxy's TLS port outside its node ports; `passthrough` needs `tls` | CEL on the spec |
-//! | `domain` for `preferredEndpointType: hostname` and for `proxy.tls`; `proxy` for `mode: proxy` | CEL on `externalAccess` |
+//! | `domain` (or an `advertisedHost` that is a DNS name) for `preferredEndpointType: hostname`; `domain` for `proxy.tls`; `proxy` for `mode: proxy` | CEL on `externalAccess` |
 //! | `secretName` for TLS `terminate` | CEL on `externalAccess.proxy.tls` |
 //! | no key of [`RESERVED_CONFIG_KEYS`] in `config` | CEL on `config` |
 //! | `portsPerShard` and `persistence` immutable ([`immutable`]) | CEL transition rules |
@@ -314,10 +314,13 @@ impl ValkeyClusterSpec {
             }
         }
         let has_domain = ea.domain.as_deref().is_some_and(|d| !d.is_empty());
-        if ea.preferred_endpoint_type == external_access::EndpointType::Hostname && !has_domain {
+        if ea.preferred_endpoint_type == external_access::EndpointType::Hostname
+            && !has_domain
+            && ea.advertised_name().is_none()
+        {
             return Err(SpecError::Required {
                 field: "externalAccess.domain",
-                when: "preferredEndpointType is hostname",
+                when: "preferredEndpointType is hostname and advertisedHost is not a DNS name",
             });
         }
         if ea.mode == ExternalAccessMode::Proxy && ea.proxy.is_none() {
@@ -499,13 +502,22 @@ mod tests {
     #[test]
     fn external_access_rules() {
         let hostname = ExternalAccess::announce().endpoint_type(EndpointType::Hostname);
-        assert_eq!(
-            vc().external(hostname.clone()).spec.validate(),
-            Err(SpecError::Required {
-                field: "externalAccess.domain",
-                when: "preferredEndpointType is hostname"
-            })
-        );
+        let no_name = Err(SpecError::Required {
+            field: "externalAccess.domain",
+            when: "preferredEndpointType is hostname and advertisedHost is not a DNS name",
+        });
+        assert_eq!(vc().external(hostname.clone()).spec.validate(), no_name);
+        // A DNS name in advertisedHost is every node's hostname; an IP is not a name.
+        for (host, ok) in [
+            ("valkey.example.com", true),
+            ("lb-1", true),
+            ("203.0.113.7", false),
+            ("2001:db8::7", false),
+        ] {
+            let ea = hostname.clone().advertised_host(host);
+            let want = if ok { Ok(()) } else { no_name.clone() };
+            assert_eq!(vc().external(ea).spec.validate(), want, "{host}");
+        }
         assert_eq!(
             vc().external(hostname.clone().domain("example.com"))
                 .spec

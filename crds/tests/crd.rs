@@ -235,6 +235,33 @@ fn other_create_rules_agree() {
             Some("domain"),
         ),
         (
+            "hostname with an advertisedHost name",
+            base().external(
+                ExternalAccess::announce()
+                    .endpoint_type(EndpointType::Hostname)
+                    .advertised_host("valkey.example.com"),
+            ),
+            None,
+        ),
+        (
+            "hostname with an advertisedHost IPv4",
+            base().external(
+                ExternalAccess::announce()
+                    .endpoint_type(EndpointType::Hostname)
+                    .advertised_host("203.0.113.7"),
+            ),
+            Some("domain"),
+        ),
+        (
+            "hostname with an advertisedHost IPv6",
+            base().external(
+                ExternalAccess::announce()
+                    .endpoint_type(EndpointType::Hostname)
+                    .advertised_host("2001:db8::7"),
+            ),
+            Some("domain"),
+        ),
+        (
             "hostname with domain",
             base().external(
                 ExternalAccess::announce()

@@ -1,7 +1,7 @@
 //! What a node announces (Valkey 9): its external client port
 //! (`--cluster-announce-client-port`, or `--cluster-announce-client-tls-port` under
-//! `spec.tls`), its hostname (`--cluster-announce-hostname`, when a domain is set), and an
-//! `advertisedHost` that is an IP (`--cluster-announce-client-ipv4`/`-ipv6`: clients get
+//! `spec.tls`), its hostname (`--cluster-announce-hostname`: its own name under `domain`,
+//! else an `advertisedHost` that is a DNS name), and an `advertisedHost` that is an IP (`--cluster-announce-client-ipv4`/`-ipv6`: clients get
 //! it, while gossip and replication stay on the pod IP of `--cluster-announce-ip`).
 //! `cluster-preferred-endpoint-type` is in `valkey.conf` ([`crate::configmap`]).
 //!
@@ -42,11 +42,8 @@ pub fn args(
         };
         args.extend([flag.to_string(), port.to_string()]);
     }
-    if let Some(h) = ea.hostnames(&vc.name_any()) {
-        args.extend([
-            "--cluster-announce-hostname".to_string(),
-            shardgate_crds::node_hostname(&h.prefix, node, &h.domain),
-        ]);
+    if let Some(hostname) = hostname(vc, ea, node) {
+        args.extend(["--cluster-announce-hostname".to_string(), hostname]);
     }
     // The address clients are to use, when it is an IP the spec gives. (A LoadBalancer's
     // ingress, a Gateway's or a Kubernetes node's address are known later and set at run
@@ -65,6 +62,17 @@ pub fn args(
         None => {}
     }
     args
+}
+
+/// The hostname `node` announces: its own name under `domain`; else, an `advertisedHost`
+/// that is a DNS name, the same for every node (they differ by port). Clients are handed it
+/// with `preferredEndpointType: hostname`, and it is the hostname CLUSTER SLOTS, SHARDS and
+/// NODES show either way.
+pub fn hostname(vc: &ValkeyCluster, ea: &ExternalAccess, node: NodeRef) -> Option<String> {
+    match ea.hostnames(&vc.name_any()) {
+        Some(h) => Some(shardgate_crds::node_hostname(&h.prefix, node, &h.domain)),
+        None => ea.advertised_name().map(str::to_string),
+    }
 }
 
 /// The client address `args` announce (for [`crate::formation`], which sees nodes at it in
@@ -235,10 +243,18 @@ mod tests {
             args(&tls, Some(&ExternalAccess::announce()), node, Some(&lb)),
             ["--cluster-announce-client-tls-port", "6380"]
         );
-        // A host name is not an IP: only the port.
+        // A host name is not an IP: without a domain, it is the node's hostname.
         ea.advertised_host = Some("valkey.example.com".into());
         ea.domain = None;
-        assert_eq!(args(&vc, Some(&ea), node, Some(&e)).len(), 2);
+        assert_eq!(
+            args(&vc, Some(&ea), node, Some(&e)),
+            [
+                "--cluster-announce-client-port",
+                "31001",
+                "--cluster-announce-hostname",
+                "valkey.example.com",
+            ]
+        );
         let shown = announced(&args(&vc, Some(&ea), node, Some(&e)));
         assert_eq!(
             shown,

@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
-use kube::ResourceExt;
-use shardgate_crds::external_access::{ExternalAccess, NodeAddressType, ServiceType};
+use shardgate_crds::external_access::{
+    is_dns_name, EndpointType, ExternalAccess, NodeAddressType, ServiceType,
+};
 use shardgate_crds::valkey_cluster::{ExternalEndpoint, NodeRole, ValkeyCluster};
 use shardgate_crds::NodeRef;
 
@@ -30,6 +31,9 @@ pub struct External {
     pub endpoints: Vec<ExternalEndpoint>,
     /// Why the other nodes have none.
     pub missing: Vec<String>,
+    /// Nodes whose host is a DNS name while Valkey hands out IPs
+    /// (`preferredEndpointType: ip`): clients would be sent to the pods' own IPs.
+    pub names_not_handed_out: Vec<String>,
 }
 
 impl External {
@@ -136,7 +140,6 @@ pub fn observe(
     progress: &Progress,
 ) -> Result<External> {
     let ns = namespace(vc)?;
-    let hostnames = ea.hostnames(&vc.name_any());
     let mut out = External::default();
     for node in vc.spec.node_refs() {
         let Some(exposure) = exposures.get(&node) else {
@@ -170,6 +173,14 @@ pub fn observe(
             });
             continue;
         };
+        // Valkey hands out an IP only when it is one, and a name only as a hostname. (A
+        // ClusterIP Service's cluster DNS name is for clients inside, which reach the pods.)
+        let inside =
+            exposure.service_type == ServiceType::ClusterIP && exposure.gateway_port.is_none();
+        if ea.preferred_endpoint_type == EndpointType::Ip && is_dns_name(&host) && !inside {
+            out.names_not_handed_out
+                .push(format!("node {node}: {host}"));
+        }
         let role = role(progress, node);
         out.endpoints.push(ExternalEndpoint {
             shard: node.shard.0 as i32,
@@ -177,9 +188,7 @@ pub fn observe(
             service: exposure.service.clone(),
             host,
             port,
-            hostname: hostnames
-                .as_ref()
-                .map(|h| shardgate_crds::node_hostname(&h.prefix, node, &h.domain)),
+            hostname: super::announce::hostname(vc, ea, node),
             role,
         });
     }
@@ -213,6 +222,74 @@ mod tests {
         );
     }
 
+    /// A node reached at a DNS name is handed out only as a hostname: under
+    /// `preferredEndpointType: ip` it is named as one clients would not be sent to, and
+    /// an `advertisedHost` name without a domain is every node's hostname.
+    #[test]
+    fn names_are_handed_out_only_as_hostnames() {
+        use crate::external::Exposure;
+        let vc = ValkeyCluster::test("vc").shards(1).replicas(1);
+        let exposure = |t, ingress: &str| Exposure {
+            service: "vc-shard-0".into(),
+            service_type: t,
+            port: 6379,
+            node_port: Some(31000),
+            ingress: Some(ingress.into()),
+            gateway_port: None,
+        };
+        let exposures = |t, ingress: &str| -> Exposures {
+            vc.spec
+                .node_refs()
+                .into_iter()
+                .map(|n| (n, exposure(t, ingress)))
+                .collect()
+        };
+        let observed = |ea: &ExternalAccess, exposures: &Exposures| {
+            let waiting = Progress::Waiting(String::new());
+            observe(&vc, ea, exposures, &BTreeMap::new(), &waiting).unwrap()
+        };
+        let lb = ExternalAccess::announce().service_type(ServiceType::LoadBalancer);
+        // An ingress IP is handed out as is.
+        let e = observed(&lb, &exposures(ServiceType::LoadBalancer, "203.0.113.7"));
+        assert_eq!((e.endpoints.len(), e.names_not_handed_out.len()), (2, 0));
+        // An ingress name (a cloud load balancer's) is not, under `ip`.
+        let named = exposures(ServiceType::LoadBalancer, "lb-1.elb.example.com");
+        let e = observed(&lb, &named);
+        assert_eq!(e.endpoints.len(), 2);
+        assert_eq!(
+            e.names_not_handed_out,
+            [
+                "node 0-0: lb-1.elb.example.com",
+                "node 0-1: lb-1.elb.example.com"
+            ]
+        );
+        // With hostnames from a domain, it is.
+        let hostnames = lb
+            .clone()
+            .domain("example.com")
+            .endpoint_type(EndpointType::Hostname);
+        assert!(observed(&hostnames, &named).names_not_handed_out.is_empty());
+        // An IPv6 ingress is an IP.
+        let v6 = exposures(ServiceType::LoadBalancer, "2001:db8::7");
+        assert!(observed(&lb, &v6).names_not_handed_out.is_empty());
+        // A ClusterIP Service's DNS name is for clients inside, which reach the pods.
+        let inside = exposures(ServiceType::ClusterIP, "");
+        let e = observed(&ExternalAccess::announce(), &inside);
+        assert_eq!((e.endpoints.len(), e.names_not_handed_out.len()), (2, 0));
+        // An advertisedHost name, without a domain: every node's hostname and host.
+        let named_host = ExternalAccess::announce()
+            .advertised_host("valkey.example.com")
+            .endpoint_type(EndpointType::Hostname);
+        let e = observed(&named_host, &exposures(ServiceType::NodePort, ""));
+        assert!(e.names_not_handed_out.is_empty());
+        assert!(e.endpoints.iter().all(|ep| ep.host == "valkey.example.com"
+            && ep.hostname.as_deref() == Some("valkey.example.com")));
+        // The same under `ip`: named as not handed out.
+        let under_ip = named_host.endpoint_type(EndpointType::Ip);
+        let e = observed(&under_ip, &exposures(ServiceType::NodePort, ""));
+        assert_eq!(e.names_not_handed_out.len(), 2);
+    }
+
     #[test]
     fn bootstrap_lists_primaries_first() {
         let ep = |node, port, role| ExternalEndpoint {
@@ -230,6 +307,7 @@ mod tests {
                 ep(1, 30002, Some(NodeRole::Primary)),
             ],
             missing: vec![],
+            names_not_handed_out: vec![],
         };
         assert_eq!(
             e.bootstrap().as_deref(),

@@ -279,6 +279,12 @@ async fn invalid_clusters_rejected(env: TestEnv) -> Result<()> {
             vec!["spec.externalAccess.domain", "required"],
         ),
         (
+            "hostname endpoints with an advertisedHost IP and no domain",
+            json!({ "externalAccess": { "enabled": true, "preferredEndpointType": "hostname",
+                "advertisedHost": "203.0.113.7" } }),
+            vec!["spec.externalAccess.domain", "advertisedHost that is a DNS name"],
+        ),
+        (
             "a domain that is not a DNS name",
             json!({ "externalAccess": { "domain": "Example_com" } }),
             vec!["spec.externalAccess.domain"],

@@ -88,7 +88,7 @@ fn main() -> ExitCode {
             announce_load_balancer,
         )
         .test(
-            "announce_hostname_endpoints_reach_a_client_that_resolves_them_itself",
+            "announce_hostname_endpoints_per_node_then_one_advertised_name_reach_a_client_that_resolves_them",
             announce_hostnames,
         )
         .run()
@@ -1240,7 +1240,9 @@ impl redis::io::AsyncDNSResolver for StatusResolver {
 
 /// `preferredEndpointType: hostname`: topology replies and redirects name each node by its
 /// hostname (`<cluster>-<s>-<n>.<domain>`) and external port; a cluster client whose
-/// resolver knows only those names does 10,000 SET/GET.
+/// resolver knows only those names does 10,000 SET/GET. Then the domain goes and
+/// `advertisedHost` becomes a DNS name: every node announces that one name, at its own
+/// port, and a client that resolves only it does the same.
 async fn announce_hostnames(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, cp } = env;
     let node_ip = std::net::IpAddr::from(cp.agent().node_ip());
@@ -1254,23 +1256,72 @@ async fn announce_hostnames(env: TestEnv) -> Result<()> {
     });
     create(&client, &ns, &external_cluster("vc", 2, 1, external)?).await?;
     let vc = wait_external_ready(&client, &ns, "vc").await?;
+    handed_out_by_name(&vc, node_ip, |node| format!("vc-{node}.{domain}"), 10_000).await?;
+
+    // One name for every node: the pods roll to announce it (each keeps a hostname
+    // throughout, so no client is handed a `?` in between).
+    let name = "valkey.example.test";
+    set_spec(
+        &client,
+        &ns,
+        json!({ "externalAccess": { "domain": null, "advertisedHost": name } }),
+    )
+    .await?;
+    let vc = eventually(
+        "status naming every node by the advertisedHost",
+        Duration::from_secs(420),
+        || async {
+            let vc = wait_external_ready(&client, &ns, "vc").await?;
+            let eps = &vc.status.as_ref().context("status")?.external_endpoints;
+            ensure!(
+                eps.len() == 4
+                    && eps
+                        .iter()
+                        .all(|e| e.host == name && e.hostname.as_deref() == Some(name)),
+                "{eps:?}"
+            );
+            Ok(vc)
+        },
+    )
+    .await?;
+    handed_out_by_name(&vc, node_ip, |_| name.to_string(), 2_000).await?;
+    operator.stop().await;
+    Ok(())
+}
+
+/// What a client outside is handed, with hostnames on: CLUSTER SLOTS and MOVED name each
+/// node by `want(node)` and the external port `status` gives it (waiting, while pods roll,
+/// for every node to be named so); then a cluster client whose resolver knows only those
+/// names (each at `node_ip`) does `keys` SET/GET.
+async fn handed_out_by_name(
+    vc: &ValkeyCluster,
+    node_ip: std::net::IpAddr,
+    want: impl Fn(NodeRef) -> String,
+    keys: usize,
+) -> Result<()> {
     let status = vc.status.clone().context("status")?;
     ensure!(status.external_endpoints.len() == 4, "{status:?}");
     // hostname:port of every node, from status.
-    let mut by_name = BTreeMap::new();
+    let mut expected = std::collections::BTreeSet::new();
     for ep in &status.external_endpoints {
         let node = NodeRef::new(ep.shard as u32, ep.node as u32);
-        let want = format!("vc-{node}.{domain}");
-        ensure!(ep.hostname.as_deref() == Some(want.as_str()), "{ep:?}");
-        by_name.insert(want, ep.port);
+        let name = want(node);
+        ensure!(ep.hostname.as_deref() == Some(name.as_str()), "{ep:?}");
+        expected.insert(format!("{name}:{}", ep.port));
     }
-    let seeds = bootstrap_seeds(&vc)?;
+    // Where the names lead (bootstrap lists them by name once advertisedHost is one).
+    let seeds: Vec<std::net::SocketAddr> = status
+        .external_endpoints
+        .iter()
+        .map(|ep| std::net::SocketAddr::new(node_ip, ep.port as u16))
+        .collect();
 
     // CLUSTER SLOTS names every node by hostname, at its external port; MOVED does too.
-    // The seed's view may be a gossip round behind Ready: wait until it lists every node.
-    let named = eventually(
-        "CLUSTER SLOTS with every node",
-        Duration::from_secs(30),
+    // The seed's view may be a gossip round (or a rolling pod) behind Ready: wait until it
+    // names every node so.
+    eventually(
+        "CLUSTER SLOTS naming every node by hostname",
+        Duration::from_secs(120),
         || async {
             let mut direct = redis::Client::open(format!("redis://{}", seeds[0]))?
                 .get_multiplexed_async_connection()
@@ -1279,19 +1330,16 @@ async fn announce_hostnames(env: TestEnv) -> Result<()> {
                 .arg("SLOTS")
                 .query_async(&mut direct)
                 .await?;
-            let named = slot_addresses(&slots)?;
-            ensure!(named.len() == 4, "CLUSTER SLOTS names {named:?}");
-            Ok(named)
+            let named: std::collections::BTreeSet<String> =
+                slot_addresses(&slots)?.into_iter().collect();
+            ensure!(
+                named == expected,
+                "CLUSTER SLOTS names {named:?}, not every node's hostname and port ({expected:?})"
+            );
+            Ok(())
         },
     )
     .await?;
-    for a in &named {
-        let (host, port) = a.rsplit_once(':').context("host:port")?;
-        ensure!(
-            by_name.get(host).map(|p| p.to_string()).as_deref() == Some(port),
-            "CLUSTER SLOTS names {a}, not a node's hostname and port ({by_name:?})"
-        );
-    }
     let mut raw = Admin::connect(seeds[0], Timeouts::default()).await?;
     let mut moved = Vec::new();
     for k in spread_keys(8, "mv") {
@@ -1307,17 +1355,20 @@ async fn announce_hostnames(env: TestEnv) -> Result<()> {
     ensure!(!moved.is_empty(), "no key of another shard was redirected");
     for e in &moved {
         let target = e.split_whitespace().nth(2).context("MOVED target")?;
-        let (host, port) = target.rsplit_once(':').context("host:port")?;
         ensure!(
-            e.starts_with("MOVED ")
-                && by_name.get(host).map(|p| p.to_string()).as_deref() == Some(port),
-            "{e}"
+            e.starts_with("MOVED ") && expected.contains(target),
+            "{e}: not a node's hostname and port ({expected:?})"
         );
     }
 
     // A client that resolves the names itself.
+    let names = expected
+        .iter()
+        .filter_map(|a| a.rsplit_once(':'))
+        .map(|(host, _)| (host.to_string(), node_ip))
+        .collect();
     let resolver = StatusResolver {
-        names: std::sync::Arc::new(by_name.keys().map(|n| (n.clone(), node_ip)).collect()),
+        names: std::sync::Arc::new(names),
         asked: Default::default(),
     };
     let urls: Vec<String> = seeds.iter().map(|a| format!("redis://{a}")).collect();
@@ -1329,7 +1380,7 @@ async fn announce_hostnames(env: TestEnv) -> Result<()> {
         .build()?
         .get_async_connection()
         .await?;
-    let keys = spread_keys(10_000, "host");
+    let keys = spread_keys(keys, "host");
     for k in &keys {
         let _: () = conn.set(k, k).await?;
     }
@@ -1339,6 +1390,5 @@ async fn announce_hostnames(env: TestEnv) -> Result<()> {
     }
     let asked = resolver.asked.load(std::sync::atomic::Ordering::Relaxed);
     ensure!(asked > 0, "the client never resolved a node's hostname");
-    operator.stop().await;
     Ok(())
 }
