@@ -240,7 +240,6 @@ mod tests {
         let exposures = |t, ingress: &str| -> Exposures {
             vc.spec
                 .node_refs()
-                .into_iter()
                 .map(|n| (n, exposure(t, ingress)))
                 .collect()
         };

@@ -282,7 +282,10 @@ async fn invalid_clusters_rejected(env: TestEnv) -> Result<()> {
             "hostname endpoints with an advertisedHost IP and no domain",
             json!({ "externalAccess": { "enabled": true, "preferredEndpointType": "hostname",
                 "advertisedHost": "203.0.113.7" } }),
-            vec!["spec.externalAccess.domain", "advertisedHost that is a DNS name"],
+            vec![
+                "spec.externalAccess.domain",
+                "advertisedHost that is a DNS name",
+            ],
         ),
         (
             "a domain that is not a DNS name",
