@@ -85,6 +85,11 @@ pub enum Lost {
     /// Told from the requests alone, so it errs on the safe side: a MONITOR still due that
     /// Valkey will refuse, or an EXEC that aborts, closes the connection all the same.
     TransactionWhileMonitoring,
+    /// A subscribe command right behind one sent with replies off or skipped: Valkey may
+    /// have refused that one without a word (a shard channel whose slot another node
+    /// serves, a channel its ACL user may not use), and then the confirmations that come
+    /// could be either's, which nothing followed here tells apart.
+    SubscribeAfterQuietSubscribe,
 }
 
 impl Lost {
@@ -99,6 +104,9 @@ impl Lost {
             }
             Lost::SubscribedResp2 => "CLIENT REPLY or MULTI on a subscribed RESP2 connection",
             Lost::TransactionWhileMonitoring => "EXEC of a transaction on a monitoring connection",
+            Lost::SubscribeAfterQuietSubscribe => {
+                "a subscribe command right behind one sent with CLIENT REPLY OFF or SKIP"
+            }
         }
     }
 }
@@ -368,11 +376,7 @@ impl Pairing {
                 self.push(Expect::Lost(Lost::SwitchWithoutReply));
                 return;
             }
-            self.in_multi = false;
-            self.transaction_lost = None;
-            self.transaction.clear();
-            self.transaction_overflow = false;
-            self.transaction_protocol = None;
+            self.end_transaction();
             self.reply_off = false;
             if skipped {
                 self.push(Expect::SkippedReset);
@@ -417,12 +421,22 @@ impl Pairing {
                 self.push(Expect::Lost(Lost::SwitchWithoutReply));
                 return;
             }
+            // The command runs all the same: a transaction it starts or ends is followed
+            // (a MULTI whose `+OK` was skipped still has the next commands `+QUEUED`).
+            if self.in_multi {
+                self.quiet_in_transaction(cmd);
+                return;
+            }
+            if name == b"multi" && cmd.argc == 1 {
+                self.in_multi = true;
+                return;
+            }
             // No reply, but (un)subscribe confirmations are pushed all the same (an error is
             // not): they are expected as usual, unless the command is one Valkey rejects
             // for its arity.
             if let Some(op) = PubSubOp::of(name) {
                 if !self.in_multi && (cmd.argc > 1 || op.unsubscribes()) {
-                    self.push(Expect::PubSub {
+                    self.push_pubsub(Expect::PubSub {
                         op,
                         channels: cmd.argc - 1,
                         seen: 0,
@@ -463,11 +477,7 @@ impl Pairing {
                     }
                 }
                 b"discard" if cmd.argc == 1 => {
-                    self.in_multi = false;
-                    self.transaction_lost = None;
-                    self.transaction.clear();
-                    self.transaction_protocol = None;
-                    self.transaction_overflow = false;
+                    self.end_transaction();
                     self.push(Expect::Other);
                 }
                 _ => {
@@ -502,7 +512,65 @@ impl Pairing {
             // Every reply came, so monitoring is on: this MONITOR gets no reply.
             return;
         }
-        self.push(expect);
+        if matches!(expect, Expect::PubSub { .. }) {
+            self.push_pubsub(expect);
+        } else {
+            self.push(expect);
+        }
+    }
+
+    /// A command sent inside a transaction with replies off or skipped (no `+QUEUED`, no
+    /// EXEC reply). A quiet EXEC ends the transaction; it is followed on unless something
+    /// queued in it switched what later replies are (a subscribe, a HELLO), or monitor
+    /// lines may come from it, since no reply marks where its effects start.
+    fn quiet_in_transaction(&mut self, cmd: &Command) {
+        match cmd.name() {
+            b"exec" => {
+                let lost = self
+                    .transaction_lost
+                    .or(self.transaction_protocol.map(|_| Lost::SwitchWithoutReply))
+                    .or(self
+                        .monitoring_when_due()
+                        .then_some(Lost::TransactionWhileMonitoring));
+                // Even with the wrong arity EXEC ends the transaction, without running it.
+                self.end_transaction();
+                if let Some(lost) = lost.filter(|_| cmd.argc == 1) {
+                    self.push(Expect::Lost(lost));
+                }
+            }
+            b"discard" if cmd.argc == 1 => self.end_transaction(),
+            name if PubSubOp::of(name).is_some() => {
+                self.transaction_lost = Some(Lost::SubscribeInTransaction)
+            }
+            _ => {}
+        }
+    }
+
+    /// No transaction any more (EXEC, DISCARD, RESET).
+    fn end_transaction(&mut self) {
+        self.in_multi = false;
+        self.transaction_lost = None;
+        self.transaction.clear();
+        self.transaction_overflow = false;
+        self.transaction_protocol = None;
+    }
+
+    /// Queues an (un)subscribe command's entry. A subscribe right behind one sent with
+    /// replies off or skipped, which Valkey may have refused silently, makes the pairing
+    /// give up: the next confirmations could be that one's or this one's. (A command with a
+    /// reply in between settles it: that reply ends the quiet one. An unsubscribe's
+    /// confirmations are of another kind, and an unsubscribe is never refused.)
+    fn push_pubsub(&mut self, e: Expect) {
+        let subscribes = |e: &Expect| matches!(e, Expect::PubSub { op, .. } if !op.unsubscribes());
+        let behind_quiet_subscribe = matches!(
+            self.queue.back(),
+            Some((last @ Expect::PubSub { quiet: true, .. }, _)) if subscribes(last)
+        );
+        if behind_quiet_subscribe && subscribes(&e) {
+            self.push(Expect::Lost(Lost::SubscribeAfterQuietSubscribe));
+        } else {
+            self.push(e);
+        }
     }
 
     /// The client sent input that Valkey rejects with a protocol error (and then closes).
@@ -1189,6 +1257,40 @@ pub(crate) mod tests {
         assert_eq!(got[7], InBand(Expect::ClusterSlots));
     }
 
+    /// Found by the differential fuzzer: a MULTI whose reply is skipped or off still starts
+    /// the transaction (the bytes Valkey 9.1 sent), and CLIENT REPLY inside it is refused.
+    #[test]
+    fn a_quiet_multi_still_starts_the_transaction() {
+        // Skipped: the next commands are `+QUEUED`, EXEC's reply is the transaction's.
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nMULTI\r\nCLUSTER SLOTS\r\nEXEC\r\nCLUSTER NODES\r\n",
+            &[b"+QUEUED\r\n", b"*1\r\n*0\r\n", b"$0\r\n\r\n"],
+        );
+        assert_eq!(got[0], InBand(Expect::Other), "{got:?}");
+        assert!(matches!(got[1], InBand(Expect::Exec(_))), "{got:?}");
+        assert_eq!(got[2], InBand(Expect::ClusterNodes), "{got:?}");
+        // Off: CLIENT REPLY ON inside the transaction is refused (silently), the quiet EXEC
+        // ends it, and the CLIENT REPLY ON after it turns replies on.
+        let got = pair(
+            b"CLIENT REPLY OFF\r\nMULTI\r\nGET a\r\nCLIENT REPLY ON\r\nEXEC\r\nCLIENT REPLY ON\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"*0\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterSlots)]);
+        // A quiet DISCARD ends it too.
+        let got = pair(
+            b"CLIENT REPLY OFF\r\nMULTI\r\nDISCARD\r\nCLIENT REPLY ON\r\nCLUSTER SLOTS\r\n",
+            &[b"+OK\r\n", b"*0\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterSlots)]);
+        // A subscribe queued in it, then a quiet EXEC: its confirmations may come with no
+        // reply to mark where, so the pairing gives up there.
+        let got = lost_after(
+            b"CLIENT REPLY OFF\r\nMULTI\r\nSUBSCRIBE c\r\nEXEC\r\nCLIENT REPLY ON\r\n",
+            &[],
+        );
+        assert_eq!(got, [Some(Lost::SubscribeInTransaction)]);
+    }
+
     #[test]
     fn client_reply_off_and_skip() {
         let got = pair(
@@ -1440,6 +1542,53 @@ pub(crate) mod tests {
             &[b"-ERR DISCARD without MULTI\r\n", b"$0\r\n\r\n"],
         );
         assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterNodes)]);
+        // Right behind it, another subscribe: whether a confirmation is the first's or the
+        // second's cannot be told, so the pairing gives up there (before, the second's
+        // confirmation was counted for the first, and the next error answered the second
+        // in place of DISCARD, leaving CLUSTER NODES' reply to DISCARD's entry).
+        let got = lost_after(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {x}s\r\nSSUBSCRIBE {y}t\r\nDISCARD\r\nCLUSTER NODES\r\n",
+            &[&c("ssubscribe", "{y}t", 1), b"-ERR DISCARD without MULTI\r\n"],
+        );
+        assert_eq!(
+            got.last(),
+            Some(&Some(Lost::SubscribeAfterQuietSubscribe)),
+            "{got:?}"
+        );
+        // With a reply in between, the quiet one is over by the time the next comes.
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {x}s\r\nPING\r\nSSUBSCRIBE {y}t\r\nDISCARD\r\nCLUSTER NODES\r\n",
+            &[
+                b"+PONG\r\n",
+                &c("ssubscribe", "{y}t", 1),
+                b"-ERR DISCARD without MULTI\r\n",
+                b"$0\r\n\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            [
+                InBand(Expect::Other),
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::ClusterNodes)
+            ]
+        );
+        // Unsubscribes are never refused (but for their arity): one behind another is
+        // followed.
+        let got = pair(
+            b"CLIENT REPLY OFF\r\nUNSUBSCRIBE a\r\nUNSUBSCRIBE b\r\nCLIENT REPLY ON\r\nCLUSTER SLOTS\r\n",
+            &[
+                &c("unsubscribe", "a", 0),
+                &c("unsubscribe", "b", 0),
+                b"+OK\r\n",
+                b"*0\r\n",
+            ],
+        );
+        assert_eq!(
+            got,
+            [OutOfBand, OutOfBand, InBand(Expect::Other), InBand(Expect::ClusterSlots)]
+        );
         let got = pair(
             b"CLIENT REPLY SKIP\r\nSUBSCRIBE a\r\nPING\r\nUNSUBSCRIBE\r\nCLUSTER SLOTS\r\n",
             &[

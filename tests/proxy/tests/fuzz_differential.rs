@@ -667,6 +667,9 @@ impl Grammar<'_> {
         let mut subscribed = false;
         // Whether MONITOR was sent (and no RESET since).
         let mut monitoring = false;
+        // Whether a subscribe was sent while replies may have been off (and no RESET since).
+        let mut quiet_subscribe = false;
+        let subscribes = |name: &str| name.ends_with("SUBSCRIBE") && !name.contains("UNSUB");
         for _ in 0..len {
             let step = match rng.below(40) {
                 0 => Step::Send(self.malformed(rng)),
@@ -684,7 +687,9 @@ impl Grammar<'_> {
                     // subscribed RESP2 connection (refused by Valkey, which the request side
                     // cannot know in time); a transaction on a monitoring connection (Valkey
                     // puts monitor lines amid EXEC's array); RESET on a monitoring connection
-                    // with replies skipped (no reply marks where the monitor lines stop).
+                    // with replies skipped (no reply marks where the monitor lines stop); a
+                    // subscribe behind one sent while replies may be off (Valkey may refuse
+                    // that one silently, and then the confirmations could be either's).
                     // They are left out of the grammar.
                     let excluded = |a: &[String]| {
                         let name = a[0].to_ascii_uppercase();
@@ -693,6 +698,7 @@ impl Grammar<'_> {
                             || (subscribed && (name == "CLIENT" || name == "MULTI"))
                             || (monitoring && name == "MULTI")
                             || (monitoring && replies_off && name == "RESET")
+                            || (quiet_subscribe && subscribes(&name))
                     };
                     while excluded(&args) {
                         args = self.command(rng);
@@ -704,10 +710,14 @@ impl Grammar<'_> {
                     match (name.as_str(), args.len()) {
                         ("MULTI", 1) => in_multi = true,
                         ("EXEC", _) | ("DISCARD", 1) => in_multi = false,
-                        ("RESET", _) => (in_multi, subscribed, monitoring) = (false, false, false),
+                        ("RESET", _) => {
+                            (in_multi, subscribed, monitoring, quiet_subscribe) =
+                                (false, false, false, false)
+                        }
                         ("MONITOR", _) => monitoring = true,
-                        (n, _) if n.ends_with("SUBSCRIBE") && !n.contains("UNSUB") => {
-                            subscribed = true
+                        (n, _) if subscribes(n) => {
+                            subscribed = true;
+                            quiet_subscribe |= replies_off;
                         }
                         _ => {}
                     }
