@@ -147,12 +147,16 @@ impl TlsServer {
                     Ok(Err(e)) => {
                         // rustls has sent its alert already.
                         self.metrics.tls.refuse("handshake");
-                        tracing::info!(port = self.port, ?peer, sni = %name, "TLS handshake failed: {e}");
+                        if let Some(suppressed) = self.refusal_due("handshake", peer) {
+                            tracing::info!(port = self.port, ?peer, sni = %name, suppressed, "TLS handshake failed: {e}");
+                        }
                         return;
                     }
                     Err(_) => {
                         self.metrics.tls.refuse("timeout");
-                        tracing::info!(port = self.port, ?peer, sni = %name, "TLS handshake timed out");
+                        if let Some(suppressed) = self.refusal_due("timeout", peer) {
+                            tracing::info!(port = self.port, ?peer, sni = %name, suppressed, "TLS handshake timed out");
+                        }
                         return;
                     }
                 };
@@ -186,6 +190,14 @@ impl TlsServer {
                 self.forwarder.closed(open, peer, &shown, outcome);
             }
         }
+    }
+
+    /// Whether a refusal of `peer` for `reason` is logged now: once per reason and client
+    /// address per period, so that a scanner or a client misconfigured in a loop cannot
+    /// flood the log, while each client's first refusal is still there to read. The
+    /// metrics count every one.
+    fn refusal_due(&self, reason: &'static str, peer: Option<SocketAddr>) -> Option<u64> {
+        self.refusals.due(&(reason, peer.map(|p| p.ip())))
     }
 
     /// A permit of the connection limit, or `None` (counted and logged) at the limit.
@@ -222,12 +234,15 @@ impl TlsServer {
         detail: &str,
     ) {
         self.metrics.tls.refuse(reason);
-        tracing::info!(
-            port = self.port,
-            ?peer,
-            reason,
-            "TLS port refused a connection: {detail}"
-        );
+        if let Some(suppressed) = self.refusal_due(reason, peer) {
+            tracing::info!(
+                port = self.port,
+                ?peer,
+                reason,
+                suppressed,
+                "TLS port refused a connection: {detail}"
+            );
+        }
         if let Some(reply) = reply {
             let send = async {
                 match reply {
