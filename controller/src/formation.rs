@@ -38,7 +38,7 @@ pub fn initial_slots(shard: u32, shards: u32) -> (u16, u16) {
 }
 
 /// The shard whose initial range holds `slot`.
-fn home_shard(slot: u16, shards: u32) -> u32 {
+pub fn home_shard(slot: u16, shards: u32) -> u32 {
     (0..shards)
         .find(|&s| {
             let (lo, hi) = initial_slots(s, shards);
@@ -486,7 +486,11 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         }
     }
     for (src, targets) in &moves {
-        if let Some(state) = migrating(&mut seen[*src]).await? {
+        let (node, addr) = (seen[*src].node, seen[*src].addr);
+        let state = migrating(&mut seen[*src].client)
+            .await
+            .map_err(|source| FormationError::Node { node, addr, source })?;
+        if let Some(state) = state {
             return Ok(Progress::Waiting(format!(
                 "node {} is migrating slots ({state})",
                 seen[*src].node
@@ -578,19 +582,13 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     }))
 }
 
-/// The state of a slot migration still running on `node` (`CLUSTER GETSLOTMIGRATIONS`),
-/// if any.
-async fn migrating(node: &mut Seen) -> Result<Option<String>, FormationError> {
+/// The state of a slot migration still running on the node `client` talks to (`CLUSTER
+/// GETSLOTMIGRATIONS`), if any.
+pub async fn migrating(
+    client: &mut Client,
+) -> Result<Option<String>, shardgate_admin_client::Error> {
     use shardgate_admin_client::Reply;
-    let reply = node
-        .client
-        .command(["CLUSTER", "GETSLOTMIGRATIONS"])
-        .await
-        .map_err(|source| FormationError::Node {
-            node: node.node,
-            addr: node.addr,
-            source,
-        })?;
+    let reply = client.command(["CLUSTER", "GETSLOTMIGRATIONS"]).await?;
     let Reply::Array(jobs) = reply else {
         return Ok(None);
     };

@@ -140,14 +140,22 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         publish(ctx, vc, EventType::Warning, "MissingIndexLabel", &note).await;
     }
     // Nodes the spec no longer has leave first, one at a time.
-    if let Some(what) = scale::remove_extra_nodes(vc, ctx, &pods).await? {
-        ctx.metrics
-            .actions
-            .get_or_create(&ActionLabels { action: "scale_in" })
-            .inc();
-        info!(cluster = %name, "{what}");
-        publish(ctx, vc, EventType::Normal, "ScaleIn", &what).await;
-        return Ok(Action::requeue(Duration::from_secs(1)));
+    match scale::remove_extra_nodes(vc, ctx, &pods).await? {
+        scale::ScaleIn::Done => {}
+        scale::ScaleIn::Acted(what) => {
+            ctx.metrics
+                .actions
+                .get_or_create(&ActionLabels { action: "scale_in" })
+                .inc();
+            info!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Normal, "ScaleIn", &what).await;
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
+        // Slots on their way to the shards that stay: no event per look.
+        scale::ScaleIn::Waiting(what) => {
+            info!(cluster = %name, "{what}");
+            return Ok(Action::requeue(Duration::from_secs(2)));
+        }
     }
     // From here on, only the nodes the spec has.
     pods.nodes.retain(|n, _| nodes.contains(n));

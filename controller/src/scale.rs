@@ -1,7 +1,10 @@
-//! Scaling in: the nodes a smaller `replicas` no longer has. A node that is its shard's
-//! primary hands its role to a remaining replica first (`CLUSTER FAILOVER`); then its
-//! StatefulSet is deleted, and formation forgets it once its pod is gone. Fewer `shards` is
-//! refused for now: their slots would have to move first.
+//! Scaling in: the nodes a smaller `replicas` or `shards` no longer has. A node that is its
+//! shard's primary hands its role to a remaining replica first (`CLUSTER FAILOVER`); a
+//! shard that goes hands its slots to the shards that stay first (`CLUSTER MIGRATESLOTS`,
+//! as after a scale-out: keys move with their slots and writes keep being served). Then
+//! the StatefulSet is deleted, and formation forgets the node once its pod is gone.
+
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::api::{Api, DeleteParams, ListParams};
@@ -13,16 +16,24 @@ use shardgate_crds::NodeRef;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::formation::FormationError;
+use crate::formation::{home_shard, initial_slots, migrating, FormationError};
 use crate::objects::{cluster_selector, namespace};
 use crate::pods::Pods;
 
-/// Removes one node the spec no longer has, or fails it over first. Returns what it did.
-pub async fn remove_extra_nodes(
-    vc: &ValkeyCluster,
-    ctx: &Context,
-    pods: &Pods,
-) -> Result<Option<String>> {
+/// What scaling in did this time.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ScaleIn {
+    /// Nothing to remove.
+    Done,
+    /// It changed something (a failover, a migration started, a node removed).
+    Acted(String),
+    /// A shard's slots are still moving; look again soon.
+    Waiting(String),
+}
+
+/// Removes one node the spec no longer has, or fails it over or moves its shard's slots
+/// away first.
+pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) -> Result<ScaleIn> {
     let api: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
     let desired: Vec<NodeRef> = vc.spec.node_refs().collect();
     let shards = vc.spec.shards.max(0) as u32;
@@ -42,13 +53,18 @@ pub async fn remove_extra_nodes(
             continue;
         }
         if s >= shards {
-            return Err(Error::Invalid(format!(
-                "spec.shards: going down to {shards} would drop shard {s} and its slots; \
-                 scaling shards in is not supported (set shards back)"
-            )));
+            match drain_shard(ctx, pods, s, shards).await? {
+                ScaleIn::Done => {}
+                other => return Ok(other),
+            }
         }
         // A primary hands over to a remaining node of its shard first.
-        if let Some(addr) = pods.nodes.get(&node).and_then(|p| p.addr) {
+        let addr = pods
+            .nodes
+            .get(&node)
+            .and_then(|p| p.addr)
+            .filter(|_| s < shards);
+        if let Some(addr) = addr {
             let primary = async {
                 let mut c = Client::connect(addr, ctx.timeouts).await?;
                 let lines = c.cluster_nodes().await?;
@@ -64,7 +80,7 @@ pub async fn remove_extra_nodes(
                     .filter(|d| d.shard.0 == s)
                     .find_map(|d| pods.nodes.get(d).and_then(|p| p.addr).map(|a| (*d, a)));
                 let Some((heir, heir_addr)) = heir else {
-                    return Ok(None);
+                    return Ok(ScaleIn::Done);
                 };
                 let failover = async {
                     let mut c = Client::connect(heir_addr, ctx.timeouts).await?;
@@ -75,17 +91,130 @@ pub async fn remove_extra_nodes(
                     addr: heir_addr,
                     source,
                 })?;
-                return Ok(Some(format!(
+                return Ok(ScaleIn::Acted(format!(
                     "failed shard {s} over to node {heir} before removing node {node}"
                 )));
             }
         }
         api.delete(&sts.name_any(), &DeleteParams::default())
             .await?;
-        return Ok(Some(format!(
-            "removed node {node} (StatefulSet {}): replicas went down",
+        let why = if s >= shards { "shards" } else { "replicas" };
+        return Ok(ScaleIn::Acted(format!(
+            "removed node {node} (StatefulSet {}): {why} went down",
             sts.name_any()
         )));
     }
-    Ok(None)
+    Ok(ScaleIn::Done)
+}
+
+/// Moves the slots of `shard`, which goes, to the `shards` that stay: each range to the
+/// shard whose initial range holds it, as formation places slots after a scale-out (one
+/// `CLUSTER MIGRATESLOTS` on its primary, a `SLOTSRANGE ... NODE` group per destination).
+/// `Done` once no node of the shard serves a slot.
+async fn drain_shard(ctx: &Context, pods: &Pods, shard: u32, shards: u32) -> Result<ScaleIn> {
+    let node_error = |node: NodeRef, addr| {
+        move |source| Error::from(FormationError::Node { node, addr, source })
+    };
+    // Its primary: the node of the shard that serves slots.
+    let mut source = None;
+    for (&node, pod) in pods.nodes.iter().filter(|(n, _)| n.shard.0 == shard) {
+        let Some(addr) = pod.addr.filter(|_| !pod.deleting) else {
+            continue;
+        };
+        let mut client = Client::connect(addr, ctx.timeouts)
+            .await
+            .map_err(node_error(node, addr))?;
+        let me = client
+            .cluster_nodes()
+            .await
+            .map_err(node_error(node, addr))?
+            .into_iter()
+            .find(|l| l.is_myself());
+        if let Some(me) = me.filter(|m| m.is_primary() && !m.slots.is_empty()) {
+            source = Some((node, addr, client, me.slots));
+            break;
+        }
+    }
+    let Some((node, addr, mut client, slots)) = source else {
+        // A node whose pod is gone may still hold slots: formation's view has it, and
+        // removing the shard waits until a pod of it answers with none.
+        let unseen = pods
+            .nodes
+            .iter()
+            .any(|(n, p)| n.shard.0 == shard && (p.addr.is_none() || p.deleting));
+        if unseen {
+            return Ok(ScaleIn::Waiting(format!(
+                "shard {shard} goes; waiting for its pods to answer before removing it"
+            )));
+        }
+        return Ok(ScaleIn::Done);
+    };
+    if let Some(state) = migrating(&mut client)
+        .await
+        .map_err(node_error(node, addr))?
+    {
+        return Ok(ScaleIn::Waiting(format!(
+            "shard {shard} goes; its slots are moving ({state})"
+        )));
+    }
+    // Each staying shard's primary, by its own view.
+    let mut primaries: BTreeMap<u32, String> = BTreeMap::new();
+    for (&n, pod) in pods.nodes.iter().filter(|(n, _)| n.shard.0 < shards) {
+        if primaries.contains_key(&n.shard.0) {
+            continue;
+        }
+        let Some(a) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
+            continue;
+        };
+        let mut c = Client::connect(a, ctx.timeouts)
+            .await
+            .map_err(node_error(n, a))?;
+        let me = c
+            .cluster_nodes()
+            .await
+            .map_err(node_error(n, a))?
+            .into_iter()
+            .find(|l| l.is_myself() && l.is_primary());
+        if let Some(me) = me {
+            primaries.insert(n.shard.0, me.id);
+        }
+    }
+    let mut moves: BTreeMap<u32, Vec<(u16, u16)>> = BTreeMap::new();
+    for (a, b) in slots {
+        let mut slot = u32::from(a);
+        while slot <= u32::from(b) {
+            let home = home_shard(slot as u16, shards);
+            let (_, home_hi) = initial_slots(home, shards);
+            let end = u32::from(b).min(u32::from(home_hi));
+            moves
+                .entry(home)
+                .or_default()
+                .push((slot as u16, end as u16));
+            slot = end + 1;
+        }
+    }
+    let mut args = vec!["CLUSTER".to_string(), "MIGRATESLOTS".to_string()];
+    let mut count = 0u32;
+    for (home, ranges) in &moves {
+        let Some(id) = primaries.get(home) else {
+            return Ok(ScaleIn::Waiting(format!(
+                "shard {shard} goes; shard {home} has no primary to take its slots yet"
+            )));
+        };
+        args.push("SLOTSRANGE".into());
+        for (a, b) in ranges {
+            args.extend([a.to_string(), b.to_string()]);
+            count += u32::from(*b) - u32::from(*a) + 1;
+        }
+        args.extend(["NODE".to_string(), id.clone()]);
+    }
+    client
+        .command(&args)
+        .await
+        .map_err(node_error(node, addr))?;
+    let to: Vec<String> = moves.keys().map(u32::to_string).collect();
+    Ok(ScaleIn::Acted(format!(
+        "shard {shard} goes: migrating its {count} slots to shard {}",
+        to.join(", ")
+    )))
 }

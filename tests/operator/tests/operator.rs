@@ -60,7 +60,7 @@ fn main() -> ExitCode {
             leader_election,
         )
         .test(
-            "shards_3_to_4_and_replicas_up_and_down_under_writes_lose_nothing",
+            "shards_3_to_4_and_back_and_replicas_up_and_down_under_writes_lose_nothing",
             scaling,
         )
         .test(
@@ -660,6 +660,41 @@ async fn scaling(env: TestEnv) -> Result<()> {
         .await?;
     ensure!(sts.items.len() == 8, "{} StatefulSets", sts.items.len());
     ensure!(vc.status.as_ref().is_some_and(|s| s.ready_nodes == 8));
+
+    // Shards 4 -> 3: shard 3's slots move to the shards that stay (keys with them), then
+    // its nodes go, and the slots end where a 3-shard cluster starts them.
+    let started = Instant::now();
+    set_spec(&client, &ns, json!({ "shards": 3 })).await?;
+    eventually(
+        "3 shards of 5461, 5462 and 5461 slots, 6 nodes that know only each other",
+        FORM,
+        || async {
+            let addrs = pod_addrs(&client, &ns, "vc").await?;
+            ensure!(addrs.len() == 6, "{} pods", addrs.len());
+            let v = views(&addrs).await?;
+            let mut counts: Vec<u32> = v
+                .values()
+                .filter(|l| l.is_primary())
+                .map(|l| l.slot_count())
+                .collect();
+            counts.sort();
+            ensure!(counts == [5461, 5461, 5462], "slots per primary {counts:?}");
+            for a in addrs.values() {
+                let mut c = Admin::connect(*a, Timeouts::default()).await?;
+                let n = c.cluster_nodes().await?.len();
+                ensure!(n == 6, "{a} knows {n} nodes");
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
+    let sts = Api::<StatefulSet>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels(&format!("{}=vc", labels::INSTANCE)))
+        .await?;
+    ensure!(sts.items.len() == 6, "{} StatefulSets", sts.items.len());
+    ensure!(vc.status.as_ref().is_some_and(|s| s.ready_nodes == 6));
+    eprintln!("shards 4 -> 3 in {:?}", started.elapsed());
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (acked, errors) = writes.await?;
