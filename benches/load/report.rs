@@ -80,7 +80,8 @@ pub fn stat(
     )
 }
 
-/// `a`'s figure divided by the best (largest) of `bs`' in the same round, over the rounds
+/// `a`'s figure divided by the largest of `bs`' in the same round (the best, for requests/s;
+/// pass one peer for CPU, where the smallest is best), over the rounds
 /// where all of them have one. A round's runs follow one another within seconds, while the
 /// machine's speed drifts between rounds (the same data plane's figures move by 20% and
 /// more): within a round the drift cancels out, so the median of the rounds' ratios says
@@ -97,6 +98,7 @@ pub fn paired(
             .iter()
             .find(|s| s.workload == workload && s.peer == peer && s.round == round)
             .and_then(metric)
+            .filter(|v| *v > 0.0)
     };
     let rounds: std::collections::BTreeSet<usize> = samples.iter().map(|s| s.round).collect();
     spread_of(

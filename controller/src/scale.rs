@@ -37,23 +37,35 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
     let api: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
     let desired: Vec<NodeRef> = vc.spec.node_refs().collect();
     let shards = vc.spec.shards.max(0) as u32;
-    for sts in api
-        .list(&ListParams::default().labels(&cluster_selector(vc)))
-        .await?
-    {
+    let index = |sts: &StatefulSet| {
         let l = sts.labels();
-        let (Some(s), Some(n)) = (l.get(labels::SHARD_INDEX), l.get(labels::NODE_INDEX)) else {
+        let s = l.get(labels::SHARD_INDEX)?.parse().ok()?;
+        let n = l.get(labels::NODE_INDEX)?.parse().ok()?;
+        Some(NodeRef::new(s, n))
+    };
+    let statefulsets = api
+        .list(&ListParams::default().labels(&cluster_selector(vc)))
+        .await?;
+    // The nodes of each shard that goes, from their StatefulSets not being deleted (a node
+    // whose pod is gone for now has one all the same).
+    let mut leaving: BTreeMap<u32, Vec<NodeRef>> = BTreeMap::new();
+    let staying = |sts: &&StatefulSet| sts.metadata.deletion_timestamp.is_none();
+    for node in statefulsets.iter().filter(staying).filter_map(index) {
+        if node.shard.0 >= shards {
+            leaving.entry(node.shard.0).or_default().push(node);
+        }
+    }
+    for sts in statefulsets {
+        let Some(node) = index(&sts) else {
             continue;
         };
-        let (Ok(s), Ok(n)) = (s.parse(), n.parse()) else {
-            continue;
-        };
-        let node = NodeRef::new(s, n);
+        let s = node.shard.0;
         if desired.contains(&node) || sts.metadata.deletion_timestamp.is_some() {
             continue;
         }
         if s >= shards {
-            match drain_shard(ctx, pods, s, shards).await? {
+            let nodes = leaving.get(&s).map_or(&[][..], Vec::as_slice);
+            match drain_shard(ctx, pods, s, shards, nodes).await? {
                 ScaleIn::Done => {}
                 other => return Ok(other),
             }
@@ -110,41 +122,53 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
 /// Moves the slots of `shard`, which goes, to the `shards` that stay: each range to the
 /// shard whose initial range holds it, as formation places slots after a scale-out (one
 /// `CLUSTER MIGRATESLOTS` on its primary, a `SLOTSRANGE ... NODE` group per destination).
-/// `Done` once no node of the shard serves a slot.
-async fn drain_shard(ctx: &Context, pods: &Pods, shard: u32, shards: u32) -> Result<ScaleIn> {
+/// `Done` only once every node of the shard (`leaving`, from its StatefulSets) has a pod
+/// that answered and none of them serves a slot: a node that did not answer may hold
+/// slots, and removing it would drop them.
+async fn drain_shard(
+    ctx: &Context,
+    pods: &Pods,
+    shard: u32,
+    shards: u32,
+    leaving: &[NodeRef],
+) -> Result<ScaleIn> {
     let node_error = |node: NodeRef, addr| {
         move |source| Error::from(FormationError::Node { node, addr, source })
     };
-    // Its primary: the node of the shard that serves slots.
+    // Its primary: the node of the shard that serves slots. One that does not answer (a
+    // crash-looping replica, say) does not stop the one that does.
     let mut source = None;
-    for (&node, pod) in pods.nodes.iter().filter(|(n, _)| n.shard.0 == shard) {
-        let Some(addr) = pod.addr.filter(|_| !pod.deleting) else {
+    let mut unanswered = Vec::new();
+    for &node in leaving {
+        let Some(addr) = pods.nodes.get(&node).and_then(|p| p.addr) else {
+            unanswered.push(node);
             continue;
         };
-        let mut client = Client::connect(addr, ctx.timeouts)
-            .await
-            .map_err(node_error(node, addr))?;
-        let me = client
-            .cluster_nodes()
-            .await
-            .map_err(node_error(node, addr))?
-            .into_iter()
-            .find(|l| l.is_myself());
-        if let Some(me) = me.filter(|m| m.is_primary() && !m.slots.is_empty()) {
-            source = Some((node, addr, client, me.slots));
-            break;
+        let me = async {
+            let mut client = Client::connect(addr, ctx.timeouts).await?;
+            let me = client
+                .cluster_nodes()
+                .await?
+                .into_iter()
+                .find(|l| l.is_myself());
+            Ok::<_, shardgate_admin_client::Error>((client, me))
+        };
+        match me.await {
+            Ok((client, Some(me))) if me.is_primary() && !me.slots.is_empty() => {
+                source = Some((node, addr, client, me.slots));
+                break;
+            }
+            Ok((_, Some(_))) => {}
+            Ok((_, None)) | Err(_) => unanswered.push(node),
         }
     }
     let Some((node, addr, mut client, slots)) = source else {
-        // A node whose pod is gone may still hold slots: formation's view has it, and
-        // removing the shard waits until a pod of it answers with none.
-        let unseen = pods
-            .nodes
-            .iter()
-            .any(|(n, p)| n.shard.0 == shard && (p.addr.is_none() || p.deleting));
-        if unseen {
+        if !unanswered.is_empty() {
+            let names: Vec<String> = unanswered.iter().map(NodeRef::to_string).collect();
             return Ok(ScaleIn::Waiting(format!(
-                "shard {shard} goes; waiting for its pods to answer before removing it"
+                "shard {shard} goes; waiting for node(s) {} to answer before removing it \
+                 (a node that does not may still hold slots)",
+                names.join(", ")
             )));
         }
         return Ok(ScaleIn::Done);
@@ -157,7 +181,12 @@ async fn drain_shard(ctx: &Context, pods: &Pods, shard: u32, shards: u32) -> Res
             "shard {shard} goes; its slots are moving ({state})"
         )));
     }
-    // Each staying shard's primary, by its own view.
+    // Each staying shard's primary, as the source sees the cluster: the one that serves
+    // its slots (a wiped pod restarted as an empty primary of its own is not it).
+    let view = client
+        .cluster_nodes()
+        .await
+        .map_err(node_error(node, addr))?;
     let mut primaries: BTreeMap<u32, String> = BTreeMap::new();
     for (&n, pod) in pods.nodes.iter().filter(|(n, _)| n.shard.0 < shards) {
         if primaries.contains_key(&n.shard.0) {
@@ -166,17 +195,19 @@ async fn drain_shard(ctx: &Context, pods: &Pods, shard: u32, shards: u32) -> Res
         let Some(a) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
             continue;
         };
-        let mut c = Client::connect(a, ctx.timeouts)
-            .await
-            .map_err(node_error(n, a))?;
-        let me = c
-            .cluster_nodes()
-            .await
-            .map_err(node_error(n, a))?
-            .into_iter()
-            .find(|l| l.is_myself() && l.is_primary());
-        if let Some(me) = me {
-            primaries.insert(n.shard.0, me.id);
+        let id = async {
+            let mut c = Client::connect(a, ctx.timeouts).await?;
+            let me = c.cluster_nodes().await?.into_iter().find(|l| l.is_myself());
+            Ok::<_, shardgate_admin_client::Error>(me.map(|m| m.id))
+        };
+        let Ok(Some(id)) = id.await else {
+            continue;
+        };
+        let serving = view
+            .iter()
+            .any(|l| l.id == id && l.is_primary() && !l.slots.is_empty());
+        if serving {
+            primaries.insert(n.shard.0, id);
         }
     }
     let mut moves: BTreeMap<u32, Vec<(u16, u16)>> = BTreeMap::new();

@@ -122,8 +122,10 @@ fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Co
             message: format!(
                 "nodes are reached at DNS names ({}), but Valkey hands out names only as hostnames, \
                  so clients would be redirected to the pods' own IPs: set preferredEndpointType: \
-                 hostname, with a domain whose per-node names resolve to them (serviceAnnotations \
-                 can ask external-dns for them) or an advertisedHost that is a DNS name",
+                 hostname, with a domain whose per-node names resolve to the nodes' hosts \
+                 (serviceAnnotations can ask external-dns for them; the way for a LoadBalancer per \
+                 shard), or with an advertisedHost that is the one DNS name every node is reached \
+                 at on its own port",
                 ext.names_not_handed_out.join(", ")
             ),
         };

@@ -175,8 +175,9 @@ pub fn observe(
         };
         // Valkey hands out an IP only when it is one, and a name only as a hostname. (A
         // ClusterIP Service's cluster DNS name is for clients inside, which reach the pods.)
-        let inside =
-            exposure.service_type == ServiceType::ClusterIP && exposure.gateway_port.is_none();
+        let inside = exposure.service_type == ServiceType::ClusterIP
+            && exposure.gateway_port.is_none()
+            && ea.advertised_host.is_none();
         if ea.preferred_endpoint_type == EndpointType::Ip && is_dns_name(&host) && !inside {
             out.names_not_handed_out
                 .push(format!("node {node}: {host}"));
@@ -275,6 +276,10 @@ mod tests {
         let inside = exposures(ServiceType::ClusterIP, "");
         let e = observed(&ExternalAccess::announce(), &inside);
         assert_eq!((e.endpoints.len(), e.names_not_handed_out.len()), (2, 0));
+        // Unless an advertisedHost name stands in for it: that one is for clients outside.
+        let named_inside = ExternalAccess::announce().advertised_host("valkey.example.com");
+        let e = observed(&named_inside, &inside);
+        assert_eq!(e.names_not_handed_out.len(), 2);
         // An advertisedHost name, without a domain: every node's hostname and host.
         let named_host = ExternalAccess::announce()
             .advertised_host("valkey.example.com")

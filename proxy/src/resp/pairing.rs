@@ -562,10 +562,14 @@ impl Pairing {
     /// confirmations are of another kind, and an unsubscribe is never refused.)
     fn push_pubsub(&mut self, e: Expect) {
         let subscribes = |e: &Expect| matches!(e, Expect::PubSub { op, .. } if !op.unsubscribes());
-        let behind_quiet_subscribe = matches!(
-            self.queue.back(),
-            Some((last @ Expect::PubSub { quiet: true, .. }, _)) if subscribes(last)
-        );
+        // Behind it, unsubscribes may stand between (their confirmations, of another kind,
+        // do not end it): every pub/sub entry at the back is looked at.
+        let behind_quiet_subscribe = self
+            .queue
+            .iter()
+            .rev()
+            .take_while(|(e, _)| matches!(e, Expect::PubSub { .. }))
+            .any(|(e, _)| matches!(e, Expect::PubSub { quiet: true, .. }) && subscribes(e));
         if behind_quiet_subscribe && subscribes(&e) {
             self.push(Expect::Lost(Lost::SubscribeAfterQuietSubscribe));
         } else {
@@ -1573,6 +1577,26 @@ pub(crate) mod tests {
                 InBand(Expect::Other),
                 InBand(Expect::ClusterNodes)
             ]
+        );
+        // Nor with an unsubscribe between the two (its confirmation, of another kind, does
+        // not end the quiet one): found by review.
+        let got = lost_after(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {x}s\r\nUNSUBSCRIBE\r\nSSUBSCRIBE {y}t\r\nDISCARD\r\nCLUSTER NODES\r\n",
+            &[],
+        );
+        assert_eq!(got, [None], "{got:?}");
+        let got = lost_after(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {x}s\r\nUNSUBSCRIBE\r\nSSUBSCRIBE {y}t\r\nDISCARD\r\nCLUSTER NODES\r\n",
+            &[
+                &c("unsubscribe", "", 0),
+                &c("ssubscribe", "{y}t", 1),
+                b"-ERR DISCARD without MULTI\r\n",
+            ],
+        );
+        assert_eq!(
+            got.last(),
+            Some(&Some(Lost::SubscribeAfterQuietSubscribe)),
+            "{got:?}"
         );
         // Unsubscribes are never refused (but for their arity): one behind another is
         // followed.
