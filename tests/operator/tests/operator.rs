@@ -587,6 +587,42 @@ async fn leader_election(env: TestEnv) -> Result<()> {
     Ok(())
 }
 
+/// The slots each primary serves, by every node's own view, smallest first.
+async fn slots_per_primary(addrs: &BTreeMap<NodeRef, std::net::SocketAddr>) -> Result<Vec<u32>> {
+    let mut counts: Vec<u32> = views(addrs)
+        .await?
+        .values()
+        .filter(|l| l.is_primary())
+        .map(|l| l.slot_count())
+        .collect();
+    counts.sort();
+    Ok(counts)
+}
+
+/// Every node knows exactly the nodes at `addrs`: none left over to forget.
+async fn know_only_each_other(addrs: &BTreeMap<NodeRef, std::net::SocketAddr>) -> Result<()> {
+    for a in addrs.values() {
+        let mut c = Admin::connect(*a, Timeouts::default()).await?;
+        let n = c.cluster_nodes().await?.len();
+        ensure!(n == addrs.len(), "{a} knows {n} nodes, not {}", addrs.len());
+    }
+    Ok(())
+}
+
+/// "vc" is Ready with `n` ready nodes and `n` StatefulSets (none left behind).
+async fn ready_with_statefulsets(client: &Client, ns: &str, n: usize) -> Result<()> {
+    let vc = wait_ready(client, ns, "vc", FORM).await?;
+    let sts = Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&format!("{}=vc", labels::INSTANCE)))
+        .await?;
+    ensure!(sts.items.len() == n, "{} StatefulSets", sts.items.len());
+    ensure!(vc
+        .status
+        .as_ref()
+        .is_some_and(|s| s.ready_nodes == n as i32));
+    Ok(())
+}
+
 async fn set_spec(client: &Client, ns: &str, spec: serde_json::Value) -> Result<()> {
     Api::<ValkeyCluster>::namespaced(client.clone(), ns)
         .patch(
@@ -613,13 +649,7 @@ async fn scaling(env: TestEnv) -> Result<()> {
     eventually("4 shards of 4096 slots", FORM, || async {
         let addrs = pod_addrs(&client, &ns, "vc").await?;
         ensure!(addrs.len() == 8, "{} pods", addrs.len());
-        let v = views(&addrs).await?;
-        let mut counts: Vec<u32> = v
-            .values()
-            .filter(|l| l.is_primary())
-            .map(|l| l.slot_count())
-            .collect();
-        counts.sort();
+        let counts = slots_per_primary(&addrs).await?;
         ensure!(
             counts == [4096, 4096, 4096, 4096],
             "slots per primary {counts:?}"
@@ -645,21 +675,11 @@ async fn scaling(env: TestEnv) -> Result<()> {
         || async {
             let addrs = pod_addrs(&client, &ns, "vc").await?;
             ensure!(addrs.len() == 8, "{} pods", addrs.len());
-            for a in addrs.values() {
-                let mut c = Admin::connect(*a, Timeouts::default()).await?;
-                let n = c.cluster_nodes().await?.len();
-                ensure!(n == 8, "{a} knows {n} nodes");
-            }
-            Ok(())
+            know_only_each_other(&addrs).await
         },
     )
     .await?;
-    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
-    let sts = Api::<StatefulSet>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default().labels(&format!("{}=vc", labels::INSTANCE)))
-        .await?;
-    ensure!(sts.items.len() == 8, "{} StatefulSets", sts.items.len());
-    ensure!(vc.status.as_ref().is_some_and(|s| s.ready_nodes == 8));
+    ready_with_statefulsets(&client, &ns, 8).await?;
 
     // Shards 4 -> 3: shard 3's slots move to the shards that stay (keys with them), then
     // its nodes go, and the slots end where a 3-shard cluster starts them.
@@ -671,29 +691,13 @@ async fn scaling(env: TestEnv) -> Result<()> {
         || async {
             let addrs = pod_addrs(&client, &ns, "vc").await?;
             ensure!(addrs.len() == 6, "{} pods", addrs.len());
-            let v = views(&addrs).await?;
-            let mut counts: Vec<u32> = v
-                .values()
-                .filter(|l| l.is_primary())
-                .map(|l| l.slot_count())
-                .collect();
-            counts.sort();
+            let counts = slots_per_primary(&addrs).await?;
             ensure!(counts == [5461, 5461, 5462], "slots per primary {counts:?}");
-            for a in addrs.values() {
-                let mut c = Admin::connect(*a, Timeouts::default()).await?;
-                let n = c.cluster_nodes().await?.len();
-                ensure!(n == 6, "{a} knows {n} nodes");
-            }
-            Ok(())
+            know_only_each_other(&addrs).await
         },
     )
     .await?;
-    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
-    let sts = Api::<StatefulSet>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default().labels(&format!("{}=vc", labels::INSTANCE)))
-        .await?;
-    ensure!(sts.items.len() == 6, "{} StatefulSets", sts.items.len());
-    ensure!(vc.status.as_ref().is_some_and(|s| s.ready_nodes == 6));
+    ready_with_statefulsets(&client, &ns, 6).await?;
     eprintln!("shards 4 -> 3 in {:?}", started.elapsed());
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
