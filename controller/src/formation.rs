@@ -38,7 +38,7 @@ pub fn initial_slots(shard: u32, shards: u32) -> (u16, u16) {
 }
 
 /// The shard whose initial range holds `slot`.
-pub fn home_shard(slot: u16, shards: u32) -> u32 {
+fn home_shard(slot: u16, shards: u32) -> u32 {
     (0..shards)
         .find(|&s| {
             let (lo, hi) = initial_slots(s, shards);
@@ -462,26 +462,19 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         let Some(me) = line(&seen[p].id) else {
             continue;
         };
-        for &(a, b) in &me.slots {
-            let mut slot = u32::from(a);
-            while slot <= u32::from(b) {
-                let home = home_shard(slot as u16, plan.shards);
-                let (_, home_hi) = initial_slots(home, plan.shards);
-                let end = u32::from(b).min(u32::from(home_hi));
-                if home != shard {
-                    let Some(&dst) = primaries.get(&home) else {
-                        return Ok(Progress::Waiting(format!(
-                            "shard {home} has no primary to take its slots yet"
-                        )));
-                    };
-                    moves
-                        .entry(p)
-                        .or_default()
-                        .entry(dst)
-                        .or_default()
-                        .push((slot as u16, end as u16));
-                }
-                slot = end + 1;
+        for (home, range) in by_home_shard(&me.slots, plan.shards) {
+            if home != shard {
+                let Some(&dst) = primaries.get(&home) else {
+                    return Ok(Progress::Waiting(format!(
+                        "shard {home} has no primary to take its slots yet"
+                    )));
+                };
+                moves
+                    .entry(p)
+                    .or_default()
+                    .entry(dst)
+                    .or_default()
+                    .push(range);
             }
         }
     }
@@ -496,20 +489,15 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
                 seen[*src].node
             )));
         }
-        let mut args = vec!["CLUSTER".to_string(), "MIGRATESLOTS".to_string()];
-        let mut count = 0u32;
-        let mut to = Vec::new();
-        for (dst, ranges) in targets {
-            args.push("SLOTSRANGE".into());
-            for (a, b) in ranges {
-                args.push(a.to_string());
-                args.push(b.to_string());
-                count += u32::from(*b) - u32::from(*a) + 1;
-            }
-            args.push("NODE".into());
-            args.push(seen[*dst].id.clone());
-            to.push(seen[*dst].node.shard.to_string());
-        }
+        let (args, count) = migrate_slots(
+            targets
+                .iter()
+                .map(|(dst, ranges)| (ranges.as_slice(), seen[*dst].id.as_str())),
+        );
+        let to: Vec<String> = targets
+            .keys()
+            .map(|dst| seen[*dst].node.shard.to_string())
+            .collect();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         seen[*src].run(&args).await?;
         acted.push(format!(
@@ -580,6 +568,41 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             })
             .collect(),
     }))
+}
+
+/// `ranges` cut where the initial ranges of a cluster of `shards` shards meet: each piece
+/// with the shard whose initial range holds it.
+pub fn by_home_shard(ranges: &[(u16, u16)], shards: u32) -> Vec<(u32, (u16, u16))> {
+    let mut out = Vec::new();
+    for &(a, b) in ranges {
+        let mut slot = u32::from(a);
+        while slot <= u32::from(b) {
+            let home = home_shard(slot as u16, shards);
+            let (_, home_hi) = initial_slots(home, shards);
+            let end = u32::from(b).min(u32::from(home_hi));
+            out.push((home, (slot as u16, end as u16)));
+            slot = end + 1;
+        }
+    }
+    out
+}
+
+/// `CLUSTER MIGRATESLOTS` with a `SLOTSRANGE ... NODE <id>` group per destination, and
+/// how many slots it moves.
+pub fn migrate_slots<'a>(
+    groups: impl IntoIterator<Item = (&'a [(u16, u16)], &'a str)>,
+) -> (Vec<String>, u32) {
+    let mut args = vec!["CLUSTER".to_string(), "MIGRATESLOTS".to_string()];
+    let mut count = 0u32;
+    for (ranges, id) in groups {
+        args.push("SLOTSRANGE".into());
+        for &(a, b) in ranges {
+            args.extend([a.to_string(), b.to_string()]);
+            count += u32::from(b) - u32::from(a) + 1;
+        }
+        args.extend(["NODE".to_string(), id.to_string()]);
+    }
+    (args, count)
 }
 
 /// The state of a slot migration still running on the node `client` talks to (`CLUSTER

@@ -16,7 +16,7 @@ use shardgate_crds::NodeRef;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::formation::{home_shard, initial_slots, migrating, FormationError};
+use crate::formation::{by_home_shard, migrate_slots, migrating, FormationError};
 use crate::objects::{cluster_selector, namespace};
 use crate::pods::Pods;
 
@@ -211,34 +211,19 @@ async fn drain_shard(
         }
     }
     let mut moves: BTreeMap<u32, Vec<(u16, u16)>> = BTreeMap::new();
-    for (a, b) in slots {
-        let mut slot = u32::from(a);
-        while slot <= u32::from(b) {
-            let home = home_shard(slot as u16, shards);
-            let (_, home_hi) = initial_slots(home, shards);
-            let end = u32::from(b).min(u32::from(home_hi));
-            moves
-                .entry(home)
-                .or_default()
-                .push((slot as u16, end as u16));
-            slot = end + 1;
-        }
+    for (home, range) in by_home_shard(&slots, shards) {
+        moves.entry(home).or_default().push(range);
     }
-    let mut args = vec!["CLUSTER".to_string(), "MIGRATESLOTS".to_string()];
-    let mut count = 0u32;
+    let mut groups = Vec::new();
     for (home, ranges) in &moves {
         let Some(id) = primaries.get(home) else {
             return Ok(ScaleIn::Waiting(format!(
                 "shard {shard} goes; shard {home} has no primary to take its slots yet"
             )));
         };
-        args.push("SLOTSRANGE".into());
-        for (a, b) in ranges {
-            args.extend([a.to_string(), b.to_string()]);
-            count += u32::from(*b) - u32::from(*a) + 1;
-        }
-        args.extend(["NODE".to_string(), id.clone()]);
+        groups.push((ranges.as_slice(), id.as_str()));
     }
+    let (args, count) = migrate_slots(groups);
     client
         .command(&args)
         .await

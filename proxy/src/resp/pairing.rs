@@ -562,19 +562,24 @@ impl Pairing {
     /// confirmations are of another kind, and an unsubscribe is never refused.)
     fn push_pubsub(&mut self, e: Expect) {
         let subscribes = |e: &Expect| matches!(e, Expect::PubSub { op, .. } if !op.unsubscribes());
-        // Behind it, unsubscribes may stand between (their confirmations, of another kind,
-        // do not end it): every pub/sub entry at the back is looked at.
-        let behind_quiet_subscribe = self
-            .queue
-            .iter()
-            .rev()
-            .take_while(|(e, _)| matches!(e, Expect::PubSub { .. }))
-            .any(|(e, _)| matches!(e, Expect::PubSub { quiet: true, .. }) && subscribes(e));
-        if behind_quiet_subscribe && subscribes(&e) {
-            self.push(Expect::Lost(Lost::SubscribeAfterQuietSubscribe));
-        } else {
-            self.push(e);
+        if subscribes(&e) {
+            // Back over the unsubscribes at the queue's back (their confirmations, of
+            // another kind, do not end a quiet subscribe) to the nearest subscribe. One that
+            // is not quiet passed this same test when it was queued, so nothing further back
+            // needs a look: each entry is looked at about once, however long the pipeline.
+            let behind_quiet_subscribe = self
+                .queue
+                .iter()
+                .rev()
+                .take_while(|(e, _)| matches!(e, Expect::PubSub { .. }))
+                .find(|(e, _)| subscribes(e))
+                .is_some_and(|(e, _)| matches!(e, Expect::PubSub { quiet: true, .. }));
+            if behind_quiet_subscribe {
+                self.push(Expect::Lost(Lost::SubscribeAfterQuietSubscribe));
+                return;
+            }
         }
+        self.push(e);
     }
 
     /// The client sent input that Valkey rejects with a protocol error (and then closes).
