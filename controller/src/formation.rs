@@ -85,6 +85,9 @@ pub enum Progress {
     Waiting(String),
     /// It changed the cluster: look again soon.
     Acted(String),
+    /// It started again what the node reported failed (a slot migration): look again
+    /// soon, and warn.
+    Retried(String),
     /// The cluster is whole.
     Formed(Formed),
 }
@@ -106,7 +109,7 @@ impl fmt::Display for Progress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Progress::Waiting(why) => write!(f, "waiting: {why}"),
-            Progress::Acted(what) => f.write_str(what),
+            Progress::Acted(what) | Progress::Retried(what) => f.write_str(what),
             Progress::Formed(formed) => write!(f, "formed ({} nodes)", formed.nodes.len()),
         }
     }
@@ -478,17 +481,24 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             }
         }
     }
+    let mut retried = false;
     for (src, targets) in &moves {
         let (node, addr) = (seen[*src].node, seen[*src].addr);
-        let state = migrating(&mut seen[*src].client)
+        let history = migrations(&mut seen[*src].client)
             .await
             .map_err(|source| FormationError::Node { node, addr, source })?;
-        if let Some(state) = state {
-            return Ok(Progress::Waiting(format!(
-                "node {} is migrating slots ({state})",
-                seen[*src].node
-            )));
-        }
+        let again = match history {
+            Migrations::Idle => None,
+            Migrations::Running(state) => {
+                return Ok(Progress::Waiting(format!(
+                    "node {node} is migrating slots ({state})"
+                )));
+            }
+            Migrations::Failed(failed) if !failed.retry_in.is_zero() => {
+                return Ok(Progress::Waiting(format!("node {node}'s {failed}")));
+            }
+            Migrations::Failed(failed) => Some(failed),
+        };
         let (args, count) = migrate_slots(
             targets
                 .iter()
@@ -500,14 +510,24 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             .collect();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         seen[*src].run(&args).await?;
-        acted.push(format!(
+        let mut what = format!(
             "migrating {count} slots from shard {} to shard {}",
-            seen[*src].node.shard,
+            node.shard,
             to.join(", ")
-        ));
+        );
+        if let Some(failed) = again {
+            retried = true;
+            what.push_str(&format!(" again: {failed}"));
+        }
+        acted.push(what);
     }
     if !acted.is_empty() {
-        return Ok(Progress::Acted(acted.join("; ")));
+        let what = acted.join("; ");
+        return Ok(if retried {
+            Progress::Retried(what)
+        } else {
+            Progress::Acted(what)
+        });
     }
 
     // 7. Formed when every node says so.
@@ -605,35 +625,142 @@ pub fn migrate_slots<'a>(
     (args, count)
 }
 
-/// The state of a slot migration still running on the node `client` talks to (`CLUSTER
-/// GETSLOTMIGRATIONS`), if any.
-pub async fn migrating(
-    client: &mut Client,
-) -> Result<Option<String>, shardgate_admin_client::Error> {
+/// A primary's slot migrations (`CLUSTER GETSLOTMIGRATIONS`), as far as starting another
+/// one is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Migrations {
+    /// None runs, and the newest did not fail.
+    Idle,
+    /// One runs: its state.
+    Running(String),
+    /// None runs and the newest failed.
+    Failed(FailedMigration),
+}
+
+/// The newest of a primary's slot migrations failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedMigration {
+    /// Why, in the node's words.
+    pub message: String,
+    /// How many of the newest failed in a row.
+    pub failures: u32,
+    /// How long to hold off before starting it again: zero once [`retry_delay`] has passed
+    /// since it failed.
+    pub retry_in: Duration,
+}
+
+impl fmt::Display for FailedMigration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let attempts = match self.failures {
+            1 => String::new(),
+            n => format!(", {n} attempts in a row"),
+        };
+        write!(f, "last slot migration failed ({}{attempts})", self.message)?;
+        if !self.retry_in.is_zero() {
+            write!(f, "; trying again in {} s", self.retry_in.as_secs().max(1))?;
+        }
+        Ok(())
+    }
+}
+
+/// How long after the `failures`-th failure in a row a migration is started again: 5 s,
+/// doubling to 5 minutes, so that a migration that cannot succeed (a target that times out,
+/// say) is not restarted, and announced, on every look.
+pub fn retry_delay(failures: u32) -> Duration {
+    let secs = 5u64.saturating_mul(1 << failures.saturating_sub(1).min(6));
+    Duration::from_secs(secs.min(300))
+}
+
+/// One job of `CLUSTER GETSLOTMIGRATIONS`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Job {
+    state: String,
+    message: String,
+    /// The node's Unix time of its last change, in seconds.
+    last_update: u64,
+}
+
+const FINISHED: [&str; 4] = ["success", "failed", "cancelled", "canceled"];
+
+/// The jobs of a `CLUSTER GETSLOTMIGRATIONS` reply, newest first as Valkey lists them.
+fn jobs(reply: &shardgate_admin_client::Reply) -> Vec<Job> {
     use shardgate_admin_client::Reply;
-    let reply = client.command(["CLUSTER", "GETSLOTMIGRATIONS"]).await?;
     let Reply::Array(jobs) = reply else {
-        return Ok(None);
+        return Vec::new();
     };
+    let mut out = Vec::new();
     for job in jobs {
         let Reply::Array(fields) = job else { continue };
+        let mut j = Job::default();
         for kv in fields.chunks(2) {
-            if let [Reply::BulkString(k), Reply::BulkString(v)] = kv {
-                let state = String::from_utf8_lossy(v);
-                let done = ["success", "failed", "cancelled", "canceled"];
-                if &k[..] == b"state" && !done.contains(&state.as_ref()) {
-                    return Ok(Some(state.into_owned()));
-                }
+            let [Reply::BulkString(k), v] = kv else {
+                continue;
+            };
+            let text = match v {
+                Reply::BulkString(b) | Reply::SimpleString(b) => String::from_utf8_lossy(b),
+                Reply::Integer(i) => i.to_string().into(),
+                _ => continue,
+            };
+            match &k[..] {
+                b"state" => j.state = text.into_owned(),
+                b"message" => j.message = text.into_owned(),
+                b"last_update_time" => j.last_update = text.parse().unwrap_or(0),
+                _ => {}
             }
         }
+        out.push(j);
     }
-    Ok(None)
+    out
+}
+
+/// What `jobs` (newest first) mean for starting another migration, at the node's time `now`.
+fn assess(jobs: &[Job], now: u64) -> Migrations {
+    if let Some(running) = jobs.iter().find(|j| !FINISHED.contains(&j.state.as_str())) {
+        return Migrations::Running(running.state.clone());
+    }
+    let failures = jobs.iter().take_while(|j| j.state == "failed").count();
+    let Some(newest) = jobs.first().filter(|_| failures > 0) else {
+        return Migrations::Idle;
+    };
+    let failures = u32::try_from(failures).unwrap_or(u32::MAX);
+    let since = Duration::from_secs(now.saturating_sub(newest.last_update));
+    let message = match newest.message.trim() {
+        "" => "no reason given".to_string(),
+        m => m.to_string(),
+    };
+    Migrations::Failed(FailedMigration {
+        message,
+        failures,
+        retry_in: retry_delay(failures).saturating_sub(since),
+    })
+}
+
+/// The slot migrations of the node `client` talks to. Its own clock (`TIME`) dates a
+/// failure, so that the controller's clock does not matter.
+pub async fn migrations(client: &mut Client) -> Result<Migrations, shardgate_admin_client::Error> {
+    use shardgate_admin_client::Reply;
+    let reply = client.command(["CLUSTER", "GETSLOTMIGRATIONS"]).await?;
+    let jobs = jobs(&reply);
+    if jobs.first().is_none_or(|j| j.state != "failed") {
+        return Ok(assess(&jobs, 0));
+    }
+    let now = match client.command(["TIME"]).await? {
+        Reply::Array(parts) => match parts.first() {
+            Some(Reply::BulkString(secs)) => std::str::from_utf8(secs)
+                .ok()
+                .and_then(|s| s.parse().ok()),
+            _ => None,
+        },
+        _ => None,
+    };
+    // A TIME reply that does not parse: retry as if the delay had passed, as before.
+    Ok(assess(&jobs, now.unwrap_or(u64::MAX)))
 }
 
 /// How long to wait before the next step, after `progress`.
 pub fn next_look(progress: &Progress) -> Duration {
     match progress {
-        Progress::Acted(_) => Duration::from_secs(1),
+        Progress::Acted(_) | Progress::Retried(_) => Duration::from_secs(1),
         Progress::Waiting(_) => Duration::from_secs(3),
         Progress::Formed(_) => Duration::from_secs(30),
     }
@@ -652,5 +779,95 @@ mod tests {
         assert_eq!(initial_slots(0, 1), (0, 16383));
         assert_eq!(home_shard(5461, 3), 1);
         assert_eq!(home_shard(16383, 3), 2);
+    }
+
+    fn job(state: &str, last_update: u64) -> Job {
+        Job {
+            state: state.into(),
+            message: format!("{state} at {last_update}"),
+            last_update,
+        }
+    }
+
+    #[test]
+    fn a_failed_migration_is_retried_after_a_doubling_delay() {
+        assert_eq!(assess(&[], 100), Migrations::Idle);
+        // Newest first, as Valkey lists them.
+        let older_failure = [job("success", 90), job("failed", 50)];
+        assert_eq!(assess(&older_failure, 100), Migrations::Idle);
+        assert_eq!(
+            assess(&[job("replicating", 99), job("failed", 50)], 100),
+            Migrations::Running("replicating".into())
+        );
+        let failed = |jobs: &[Job], now| match assess(jobs, now) {
+            Migrations::Failed(f) => (f.failures, f.retry_in.as_secs()),
+            other => panic!("not failed: {other:?}"),
+        };
+        assert_eq!(failed(&[job("failed", 100)], 100), (1, 5));
+        assert_eq!(failed(&[job("failed", 100)], 103), (1, 2));
+        assert_eq!(failed(&[job("failed", 100)], 200), (1, 0));
+        let three = [job("failed", 100), job("failed", 80), job("failed", 60), job("success", 1)];
+        assert_eq!(failed(&three, 101), (3, 19));
+        // A node clock behind the failure: the whole delay.
+        assert_eq!(failed(&three, 0), (3, 20));
+        let secs = |n| retry_delay(n).as_secs();
+        assert_eq!([1, 2, 3, 6, 7, 8, 60].map(secs), [5, 10, 20, 160, 300, 300, 300]);
+    }
+
+    /// Against a real cluster: a migration whose target goes away is reported failed, with
+    /// Valkey's reason, and the delay before the next attempt doubles with the second
+    /// failure in a row.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failed_migrations_are_read_from_a_real_node() {
+        use shardgate_harness::valkey::{ClusterSpec, Restart, ValkeyCluster};
+        let cluster = tokio::task::spawn_blocking(|| ValkeyCluster::start(ClusterSpec::new(2, 0)))
+            .await
+            .unwrap()
+            .expect("a two-shard Valkey cluster (run scripts/setup for valkey-server)");
+        let (source, target) = (NodeRef::new(0, 0), NodeRef::new(1, 0));
+        let mut client = Client::connect(cluster.node(source).addr(), Timeouts::default())
+            .await
+            .unwrap();
+        assert_eq!(migrations(&mut client).await.unwrap(), Migrations::Idle);
+        let target_id = cluster.node(target).node_id.clone();
+        let signal = |sig: &str| {
+            let pid = cluster.node(target).pid().expect("the target runs");
+            let status = std::process::Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(status.success(), "kill {sig} {pid}");
+        };
+        for attempt in 1..=2u32 {
+            // The target stopped, then killed: the source's link to it breaks mid-migration.
+            signal("-STOP");
+            let (args, _) = migrate_slots([(&[(0u16, 99u16)][..], target_id.as_str())]);
+            client.command(&args).await.unwrap();
+            cluster.kill(target);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            let failed = loop {
+                match migrations(&mut client).await.unwrap() {
+                    Migrations::Failed(f) => break f,
+                    other => assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "attempt {attempt}: still {other:?} after 30 s"
+                    ),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            assert_eq!(failed.failures, attempt, "{failed:?}");
+            assert!(
+                failed.message.contains("Connection lost"),
+                "Valkey's reason: {failed:?}"
+            );
+            // Read within a second or two of the failure: most of the delay is left.
+            let delay = retry_delay(attempt);
+            assert!(
+                failed.retry_in <= delay && failed.retry_in + Duration::from_secs(3) > delay,
+                "attempt {attempt}: {failed:?}"
+            );
+            let c = &cluster;
+            tokio::task::block_in_place(|| c.restart(target, Restart::SameAddress)).unwrap();
+        }
     }
 }

@@ -151,6 +151,15 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             publish(ctx, vc, EventType::Normal, "ScaleIn", &what).await;
             return Ok(Action::requeue(Duration::from_secs(1)));
         }
+        scale::ScaleIn::Retried(what) => {
+            ctx.metrics
+                .actions
+                .get_or_create(&ActionLabels { action: "scale_in" })
+                .inc();
+            warn!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Warning, "SlotMigrationRetried", &what).await;
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
         // Slots on their way to the shards that stay: no event per look.
         scale::ScaleIn::Waiting(what) => {
             info!(cluster = %name, "{what}");
@@ -204,15 +213,20 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         timeouts: ctx.timeouts,
     };
     let mut progress = formation::step(&plan).await?;
-    if let Progress::Acted(what) = &progress {
+    if let Progress::Acted(what) | Progress::Retried(what) = &progress {
         ctx.metrics
             .actions
             .get_or_create(&ActionLabels {
                 action: "formation",
             })
             .inc();
-        info!(cluster = %name, "{what}");
-        publish(ctx, vc, EventType::Normal, "Formation", what).await;
+        if matches!(progress, Progress::Retried(_)) {
+            warn!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Warning, "SlotMigrationRetried", what).await;
+        } else {
+            info!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Normal, "Formation", what).await;
+        }
     }
     let stale: Vec<_> = nodes
         .iter()

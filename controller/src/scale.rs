@@ -16,7 +16,7 @@ use shardgate_crds::NodeRef;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::formation::{by_home_shard, migrate_slots, migrating, FormationError};
+use crate::formation::{by_home_shard, migrate_slots, migrations, FormationError, Migrations};
 use crate::objects::{cluster_selector, namespace};
 use crate::pods::Pods;
 
@@ -27,6 +27,8 @@ pub enum ScaleIn {
     Done,
     /// It changed something (a failover, a migration started, a node removed).
     Acted(String),
+    /// It started a shard's migration again after the last one failed.
+    Retried(String),
     /// A shard's slots are still moving; look again soon.
     Waiting(String),
 }
@@ -173,14 +175,23 @@ async fn drain_shard(
         }
         return Ok(ScaleIn::Done);
     };
-    if let Some(state) = migrating(&mut client)
+    let again = match migrations(&mut client)
         .await
         .map_err(node_error(node, addr))?
     {
-        return Ok(ScaleIn::Waiting(format!(
-            "shard {shard} goes; its slots are moving ({state})"
-        )));
-    }
+        Migrations::Idle => None,
+        Migrations::Running(state) => {
+            return Ok(ScaleIn::Waiting(format!(
+                "shard {shard} goes; its slots are moving ({state})"
+            )));
+        }
+        Migrations::Failed(failed) if !failed.retry_in.is_zero() => {
+            return Ok(ScaleIn::Waiting(format!(
+                "shard {shard} goes; its primary's {failed}"
+            )));
+        }
+        Migrations::Failed(failed) => Some(failed),
+    };
     // Each staying shard's primary, as the source sees the cluster: the one that serves
     // its slots (a wiped pod restarted as an empty primary of its own is not it).
     let view = client
@@ -229,8 +240,12 @@ async fn drain_shard(
         .await
         .map_err(node_error(node, addr))?;
     let to: Vec<String> = moves.keys().map(u32::to_string).collect();
-    Ok(ScaleIn::Acted(format!(
+    let what = format!(
         "shard {shard} goes: migrating its {count} slots to shard {}",
         to.join(", ")
-    )))
+    );
+    Ok(match again {
+        None => ScaleIn::Acted(what),
+        Some(failed) => ScaleIn::Retried(format!("{what} again: {failed}")),
+    })
 }

@@ -210,8 +210,8 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
                 ],
             )
         }
-        Progress::Acted(what) | Progress::Waiting(what) => {
-            let acting = matches!(o.progress, Progress::Acted(_));
+        Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what) => {
+            let acting = !matches!(o.progress, Progress::Waiting(_));
             let (phase, reason) = match (formed_before, acting) {
                 (false, _) => ("Forming", "Forming"),
                 (true, true) => ("Degraded", "Healing"),
