@@ -746,9 +746,9 @@ pub async fn migrations(client: &mut Client) -> Result<Migrations, shardgate_adm
     }
     let now = match client.command(["TIME"]).await? {
         Reply::Array(parts) => match parts.first() {
-            Some(Reply::BulkString(secs)) => std::str::from_utf8(secs)
-                .ok()
-                .and_then(|s| s.parse().ok()),
+            Some(Reply::BulkString(secs)) => {
+                std::str::from_utf8(secs).ok().and_then(|s| s.parse().ok())
+            }
             _ => None,
         },
         _ => None,
@@ -806,12 +806,20 @@ mod tests {
         assert_eq!(failed(&[job("failed", 100)], 100), (1, 5));
         assert_eq!(failed(&[job("failed", 100)], 103), (1, 2));
         assert_eq!(failed(&[job("failed", 100)], 200), (1, 0));
-        let three = [job("failed", 100), job("failed", 80), job("failed", 60), job("success", 1)];
+        let three = [
+            job("failed", 100),
+            job("failed", 80),
+            job("failed", 60),
+            job("success", 1),
+        ];
         assert_eq!(failed(&three, 101), (3, 19));
         // A node clock behind the failure: the whole delay.
         assert_eq!(failed(&three, 0), (3, 20));
         let secs = |n| retry_delay(n).as_secs();
-        assert_eq!([1, 2, 3, 6, 7, 8, 60].map(secs), [5, 10, 20, 160, 300, 300, 300]);
+        assert_eq!(
+            [1, 2, 3, 6, 7, 8, 60].map(secs),
+            [5, 10, 20, 160, 300, 300, 300]
+        );
     }
 
     /// Against a real cluster: a migration whose target goes away is reported failed, with

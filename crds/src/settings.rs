@@ -96,6 +96,9 @@ fn human(d: std::time::Duration) -> humantime::Duration {
 ///     --tls-port 6380 --sni-prefix vc --sni-domain example.com --tls-cert tls.crt --tls-key tls.key
 ///
 /// Endpoints on --admin-addr: /metrics (Prometheus), /healthz, /readyz, /routes (JSON).
+///
+/// Worker threads: TOKIO_WORKER_THREADS, else one per CPU the process may use (a CPU
+/// limit counts). With one, a single thread runs everything.
 #[derive(Parser, Debug, Clone, PartialEq, Eq, Serialize)]
 #[command(
     name = "shardgate-proxy",

@@ -45,14 +45,45 @@ async fn run(settings: ProxySettings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tokio runtime for as many worker threads as tokio would start: `TOKIO_WORKER_THREADS`,
+/// else the CPUs this process may use. With one, a single thread runs everything: there is
+/// no other worker to steal from, so the multi-thread scheduler's bookkeeping is pure cost
+/// (callgrind: 4.5% of the proxy's user-space instructions per request at pipeline 1).
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    let workers = match std::env::var("TOKIO_WORKER_THREADS") {
+        Ok(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n > 0)
+            .with_context(|| {
+                format!("TOKIO_WORKER_THREADS={v:?}: a number of threads, at least 1")
+            })?,
+        Err(_) => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let (mut builder, kind) = if workers == 1 {
+        (
+            tokio::runtime::Builder::new_current_thread(),
+            "current-thread",
+        )
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(workers);
+        (b, "multi-thread")
+    };
+    let runtime = builder.enable_all().build()?;
+    tracing::info!(workers, runtime = kind, "tokio runtime");
+    Ok(runtime)
+}
+
 fn main() -> ExitCode {
     // The command line is the contracts crate's ProxySettings: its --help, its defaults.
     let settings = ProxySettings::parse();
     init_logging(settings.log_format);
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = match runtime() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("shardgate-proxy: cannot start the tokio runtime: {e}");
+            eprintln!("shardgate-proxy: cannot start the tokio runtime: {e:#}");
             return ExitCode::FAILURE;
         }
     };

@@ -19,6 +19,7 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::buffers::{Buffer, Source};
 use super::sink::Sink;
+use super::watch::{Race, Raced};
 use crate::dial::{DialError, Dialer};
 use crate::metrics::{
     BytesLabels, KindLabels, Metrics, PerThreadCounter, PortLabels, ReasonLabels, RewriteLabels,
@@ -319,12 +321,18 @@ impl Forwarder {
             })
             .clone();
         let clock = Activity::new();
-        // The copy is built inside select!: a future held in a local first would be stored
-        // twice in this one.
-        tokio::select! {
-            r = self.both(rewrite, cr, cw, br, bw, &up, &down, &clock) => r.map(|()| Closed::Eof),
-            _ = idle(&clock, self.idle_timeout) => Ok(Closed::Idle),
-            _ = self.hard_stop.cancelled() => Ok(Closed::Drained),
+        // Pinned where they are built: a future moved after it is built is stored twice.
+        let copy = pin!(self.both(rewrite, cr, cw, br, bw, &up, &down, &clock));
+        let watch = pin!(async {
+            tokio::select! {
+                biased;
+                _ = self.hard_stop.cancelled() => Closed::Drained,
+                _ = idle(&clock, self.idle_timeout) => Closed::Idle,
+            }
+        });
+        match Race::new(copy, watch).await {
+            Raced::Main(r) => r.map(|()| Closed::Eof),
+            Raced::Watch(closed) => Ok(closed),
         }
     }
 }

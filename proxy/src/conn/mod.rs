@@ -5,6 +5,8 @@
 //! - [`buffers`]: read buffers taken only while bytes are in flight.
 //! - [`sink`]: the write side: a first write without a trip through the event loop, and
 //!   whether closing a socket ends its stream as a shutdown would.
+//! - [`watch`]: the copy raced against the idle timer and the drain's end, which are polled
+//!   only when they woke the connection.
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
@@ -12,6 +14,7 @@
 
 mod buffers;
 mod sink;
+mod watch;
 pub mod forward;
 pub mod listener;
 pub mod tls_port;
