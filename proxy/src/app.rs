@@ -17,7 +17,7 @@ use crate::admin::{self, AdminState};
 use crate::config::{ProxyConfig, SourceConfig, TlsModeConfig};
 use crate::conn::listener::PerSource;
 use crate::conn::tls_port::TlsMode;
-use crate::conn::{Forwarder, Listeners, TlsServer};
+use crate::conn::{Forwarder, HardStop, Listeners, TlsServer};
 use crate::dial::{BackendTls, Dialer, Resolver};
 use crate::metrics::Metrics;
 use crate::rewrite::addresses::UnknownAddresses;
@@ -63,7 +63,7 @@ pub struct ProxyHandle {
     ready: Arc<AtomicBool>,
     /// Stops the source, the listeners and the admin server.
     stop: CancellationToken,
-    hard_stop: CancellationToken,
+    hard_stop: HardStop,
     connections: TaskTracker,
     drain_timeout: Duration,
     tasks: Vec<JoinHandle<()>>,
@@ -96,7 +96,7 @@ impl Proxy {
         }
         let resolver = Resolver::system();
         let stop = CancellationToken::new();
-        let hard_stop = CancellationToken::new();
+        let hard_stop = HardStop::default();
         let ready = Arc::new(AtomicBool::new(false));
         let mut tasks = vec![];
 
@@ -270,7 +270,7 @@ impl Proxy {
             tasks.push(tokio::spawn(admin::serve(
                 listener,
                 state,
-                hard_stop.clone(),
+                hard_stop.token().clone(),
             )));
         }
 
@@ -329,12 +329,12 @@ impl ProxyHandle {
             Err(_) => {
                 let left = self.connections.len();
                 tracing::warn!(left, "drain timeout: closing the connections still open");
-                self.hard_stop.cancel();
+                self.hard_stop.stop();
                 self.connections.wait().await;
                 left
             }
         };
-        self.hard_stop.cancel();
+        self.hard_stop.stop();
         for t in self.tasks {
             let _ = t.await;
         }

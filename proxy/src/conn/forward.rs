@@ -20,7 +20,6 @@ use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,12 +27,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::buffers::{Buffer, Source};
 use super::sink::Sink;
-use super::watch::{Race, Raced};
+use super::watch::{watched, Activity, HardStop, Watched};
 use crate::dial::{DialError, Dialer};
 use crate::metrics::{
     BytesLabels, KindLabels, Metrics, PerThreadCounter, PortLabels, ReasonLabels, RewriteLabels,
@@ -162,8 +159,8 @@ pub struct Forwarder {
     pub metrics: Arc<Metrics>,
     pub idle_timeout: Option<Duration>,
     pub buffer_size: usize,
-    /// Cancelled when the drain timeout runs out: every connection still open then closes.
-    pub hard_stop: CancellationToken,
+    /// Stopped when the drain timeout runs out: every connection still open then closes.
+    pub hard_stop: HardStop,
     /// The latest table, whose address map rewriting listeners use.
     pub routes: RouteRx,
     pub rewrite_info: bool,
@@ -321,18 +318,12 @@ impl Forwarder {
             })
             .clone();
         let clock = Activity::new();
-        // Pinned where they are built: a future moved after it is built is stored twice.
+        // Pinned where it is built: a future moved after it is built is stored twice.
         let copy = pin!(self.both(rewrite, cr, cw, br, bw, &up, &down, &clock));
-        let watch = pin!(async {
-            tokio::select! {
-                biased;
-                _ = self.hard_stop.cancelled() => Closed::Drained,
-                _ = idle(&clock, self.idle_timeout) => Closed::Idle,
-            }
-        });
-        match Race::new(copy, watch).await {
-            Raced::Main(r) => r.map(|()| Closed::Eof),
-            Raced::Watch(closed) => Ok(closed),
+        match watched(copy, &self.hard_stop, &clock, self.idle_timeout).await {
+            Watched::Done(r) => r.map(|()| Closed::Eof),
+            Watched::Idle => Ok(Closed::Idle),
+            Watched::Stopped => Ok(Closed::Drained),
         }
     }
 }
@@ -742,56 +733,3 @@ fn eof_ok(read: std::io::Result<usize>) -> std::io::Result<usize> {
     }
 }
 
-/// When bytes last moved, in milliseconds since the connection started, and how many
-/// directions have read their end of stream.
-struct Activity {
-    start: Instant,
-    last_ms: AtomicU64,
-    ended: AtomicU8,
-}
-
-impl Activity {
-    fn new() -> Self {
-        Activity {
-            start: Instant::now(),
-            last_ms: AtomicU64::new(0),
-            ended: AtomicU8::new(0),
-        }
-    }
-
-    /// Notes that one direction read its end of stream: whether the other had already.
-    /// Then neither socket has bytes left unread (a close sends a FIN, not a reset).
-    fn end_of_stream(&self) -> bool {
-        self.ended.fetch_add(1, Ordering::Relaxed) > 0
-    }
-
-    fn touch(&self) {
-        let ms = self.start.elapsed().as_millis() as u64;
-        self.last_ms.store(ms, Ordering::Relaxed);
-    }
-
-    fn last(&self) -> Instant {
-        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
-    }
-}
-
-/// Resolves when nothing moved for `timeout`; never if `None`.
-async fn idle(clock: &Activity, timeout: Option<Duration>) {
-    let Some(timeout) = timeout else {
-        return std::future::pending().await;
-    };
-    loop {
-        // A timeout too large to add to an instant means "never".
-        let Some(deadline) = clock.last().checked_add(timeout) else {
-            return std::future::pending().await;
-        };
-        tokio::time::sleep_until(deadline).await;
-        if clock
-            .last()
-            .checked_add(timeout)
-            .is_some_and(|d| d <= Instant::now())
-        {
-            return;
-        }
-    }
-}

@@ -5,8 +5,8 @@
 //! - [`buffers`]: read buffers taken only while bytes are in flight.
 //! - [`sink`]: the write side: a first write without a trip through the event loop, and
 //!   whether closing a socket ends its stream as a shutdown would.
-//! - [`watch`]: the copy raced against the idle timer and the drain's end, which are polled
-//!   only when they woke the connection.
+//! - [`watch`]: the copy watched by the idle timeout and the drain's end, which are polled
+//!   only when one of them may have fired.
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
@@ -20,5 +20,6 @@ pub mod listener;
 pub mod tls_port;
 
 pub use forward::Forwarder;
+pub use watch::HardStop;
 pub use listener::Listeners;
 pub use tls_port::TlsServer;

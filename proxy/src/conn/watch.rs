@@ -1,157 +1,211 @@
-//! A connection's copy raced against its watchers (the idle timer, the drain's end), with
-//! the watchers polled only when they woke the task.
+//! A connection's copy, watched by the idle timeout and the drain's end, which are polled
+//! only when one of them may have fired.
 //!
 //! `select!` polls every branch on every wake-up: at pipeline 1 that is two wake-ups per
 //! request, each polling the idle timer (its waker registered again) and the cancellation
-//! (a lock-free check and another registration), and drawing a random number to pick the
-//! order. The watchers fire once in a connection's life, if ever. Here they get a waker of
-//! their own that notes it fired before waking the task, so a wake-up from a socket polls
-//! the copy alone.
+//! (a lock, another registration), and drawing a random number to pick the order. The
+//! watchers fire once in a connection's life, if ever. Each keeps the task's waker from its
+//! last poll, so it still wakes the task when it fires; on other wake-ups two loads (the
+//! hard stop's flag, the timer's elapsed state) show that it did not, and only the copy is
+//! polled.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Wake, Waker};
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
 
-/// Which side finished first.
-pub enum Raced<M, W> {
-    Main(M),
-    Watch(W),
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The drain's end: when the drain timeout runs out, every connection still open closes.
+/// The token wakes the connections; the flag is what they check on a wake-up, one load
+/// where the token's own check takes a lock.
+#[derive(Clone, Default)]
+pub struct HardStop {
+    token: CancellationToken,
+    stopped: Arc<AtomicBool>,
 }
 
-/// The watchers' waker: notes that they fired, then wakes the task that polls them.
-struct Fired {
-    fired: AtomicBool,
-    task: Mutex<Option<Waker>>,
-}
-
-impl Wake for Fired {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
+impl HardStop {
+    pub fn stop(&self) {
+        // The flag first: a connection woken by the token must find it set.
+        self.stopped.store(true, Ordering::Release);
+        self.token.cancel();
     }
 
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.fired.store(true, Ordering::Release);
-        let task = match self.task.lock() {
-            Ok(mut t) => t.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
-        };
-        if let Some(task) = task {
-            task.wake();
+    fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    /// The token, for what waits on it as a whole (the admin server).
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+}
+
+/// When bytes last moved, in milliseconds since the connection started, and how many
+/// directions have read their end of stream.
+pub struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+    ended: AtomicU8,
+}
+
+impl Activity {
+    pub fn new() -> Self {
+        Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            ended: AtomicU8::new(0),
         }
     }
-}
 
-/// Polls `main` until it completes, unless `watch` completes first. `watch` is polled on the
-/// first poll and afterwards only once its own waker fired. Both are pinned by the caller,
-/// where they live: moved in here, they would be stored twice in the caller's future.
-pub struct Race<'a, M, W> {
-    main: Pin<&'a mut M>,
-    watch: Pin<&'a mut W>,
-    fired: Arc<Fired>,
-    /// `fired` as a waker, made once.
-    waker: Waker,
-}
+    /// Notes that one direction read its end of stream: whether the other had already.
+    /// Then neither socket has bytes left unread (a close sends a FIN, not a reset).
+    pub fn end_of_stream(&self) -> bool {
+        self.ended.fetch_add(1, Ordering::Relaxed) > 0
+    }
 
-impl<'a, M: Future, W: Future> Race<'a, M, W> {
-    pub fn new(main: Pin<&'a mut M>, watch: Pin<&'a mut W>) -> Self {
-        let fired = Arc::new(Fired {
-            // Set: the first poll registers the watchers.
-            fired: AtomicBool::new(true),
-            task: Mutex::new(None),
-        });
-        let waker = Waker::from(fired.clone());
-        Race {
-            main,
-            watch,
-            fired,
-            waker,
-        }
+    pub fn touch(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
     }
 }
 
-impl<M: Future, W: Future> Future for Race<'_, M, W> {
-    type Output = Raced<M::Output, W::Output>;
+/// How a watched copy ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Watched<T> {
+    /// The copy ended by itself.
+    Done(T),
+    /// Nothing moved either way for the idle timeout.
+    Idle,
+    /// The hard stop came.
+    Stopped,
+}
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        if this.fired.fired.swap(false, Ordering::Acquire) {
-            // The task's waker first: a watcher that fires while it is polled finds it.
-            match this.fired.task.lock() {
-                Ok(mut t) => *t = Some(cx.waker().clone()),
-                Err(poisoned) => *poisoned.into_inner() = Some(cx.waker().clone()),
+/// Polls `copy` until it ends, unless `stop` comes first or, with an `idle` timeout, nothing
+/// moves on `clock` for that long.
+pub async fn watched<F: Future>(
+    mut copy: Pin<&mut F>,
+    stop: &HardStop,
+    clock: &Activity,
+    idle: Option<Duration>,
+) -> Watched<F::Output> {
+    // A timeout too large to add to an instant means "never": no timer at all.
+    let idle = idle.and_then(|t| clock.last().checked_add(t).map(|first| (t, first)));
+    let mut timer = pin!(tokio::time::sleep_until(idle.map_or(clock.start, |(_, d)| d)));
+    let mut stopped = pin!(stop.token.cancelled());
+    let mut first = true;
+    poll_fn(move |cx| {
+        // An unpolled timer is never elapsed: without a timeout it stays so.
+        if first || stop.is_stopped() || timer.is_elapsed() {
+            first = false;
+            if stopped.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Watched::Stopped);
             }
-            let mut watch_cx = Context::from_waker(&this.waker);
-            if let Poll::Ready(w) = this.watch.as_mut().poll(&mut watch_cx) {
-                return Poll::Ready(Raced::Watch(w));
+            if let Some((timeout, _)) = idle {
+                while timer.as_mut().poll(cx).is_ready() {
+                    match clock.last().checked_add(timeout) {
+                        Some(due) if due > Instant::now() => timer.as_mut().reset(due),
+                        _ => return Poll::Ready(Watched::Idle),
+                    }
+                }
             }
         }
-        this.main.as_mut().poll(cx).map(Raced::Main)
-    }
+        copy.as_mut().poll(cx).map(Watched::Done)
+    })
+    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::pin::pin;
-    use std::time::Duration;
 
-    async fn race<M: Future, W: Future>(main: M, watch: W) -> Raced<M::Output, W::Output> {
-        Race::new(pin!(main), pin!(watch)).await
-    }
-    use tokio::sync::oneshot;
+    const IDLE: Duration = Duration::from_secs(5);
 
-    #[tokio::test(start_paused = true)]
-    async fn the_watch_wins_when_it_fires_first() {
-        let main = std::future::pending::<()>();
-        let watch = tokio::time::sleep(Duration::from_secs(5));
-        assert!(matches!(race(main, watch).await, Raced::Watch(())));
+    /// `watched` with the idle timeout, given an hour (of paused time) to end.
+    async fn run<F: Future>(copy: F, stop: &HardStop, clock: &Activity) -> Watched<F::Output> {
+        let copy = pin!(copy);
+        let w = watched(copy, stop, clock, Some(IDLE));
+        tokio::time::timeout(Duration::from_secs(3600), w)
+            .await
+            .expect("neither the copy nor a watcher ended it within an hour")
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_main_future_wins_when_it_ends_first() {
-        let (tx, rx) = oneshot::channel::<u8>();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let _ = tx.send(7);
-        });
-        let watch = tokio::time::sleep(Duration::from_secs(5));
-        assert!(matches!(race(rx, watch).await, Raced::Main(Ok(7))));
+    async fn a_quiet_copy_idles_out_at_the_timeout() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let started = Instant::now();
+        let r = run(std::future::pending::<()>(), &stop, &clock).await;
+        assert_eq!(r, Watched::Idle);
+        assert_eq!(started.elapsed(), IDLE);
     }
 
-    /// The watcher re-arms itself after a wake-up (as the idle timer does when bytes moved
-    /// in the meantime): its second registration is honoured too.
+    /// Bytes that move push the timeout back: it counts from the last of them.
     #[tokio::test(start_paused = true)]
-    async fn a_watcher_that_waits_again_is_polled_again() {
-        let watch = async {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            "idle"
-        };
-        let started = tokio::time::Instant::now();
-        let r = race(std::future::pending::<()>(), watch).await;
-        assert!(matches!(r, Raced::Watch("idle")));
-        assert_eq!(started.elapsed(), Duration::from_secs(2));
-    }
-
-    /// Wake-ups of the main future do not poll the watcher: a watcher that counts its polls
-    /// sees only the first and the one its own waker caused.
-    #[tokio::test(start_paused = true)]
-    async fn wake_ups_from_the_main_future_leave_the_watch_alone() {
-        let polls = std::cell::Cell::new(0u32);
-        let mut sleep = Box::pin(tokio::time::sleep(Duration::from_secs(10)));
-        let watch = std::future::poll_fn(|cx| {
-            polls.set(polls.get() + 1);
-            sleep.as_mut().poll(cx)
-        });
-        let main = async {
-            for _ in 0..100 {
-                tokio::task::yield_now().await;
+    async fn activity_pushes_the_idle_timeout_back() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let started = Instant::now();
+        let copy = async {
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                clock.touch();
             }
-            tokio::time::sleep(Duration::from_secs(20)).await;
+            std::future::pending::<()>().await
         };
-        assert!(matches!(race(main, watch).await, Raced::Watch(())));
-        assert_eq!(polls.get(), 2, "polled at the start and when its timer fired");
+        assert_eq!(run(copy, &stop, &clock).await, Watched::Idle);
+        assert_eq!(started.elapsed(), Duration::from_secs(9) + IDLE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_copy_ending_first_wins() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let copy = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            7
+        };
+        assert_eq!(run(copy, &stop, &clock).await, Watched::Done(7));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_hard_stop_ends_a_busy_copy_at_once() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            stopper.stop();
+        });
+        let started = Instant::now();
+        // Busy: wakes itself every 100 ms and moves bytes.
+        let copy = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                clock.touch();
+            }
+        };
+        let r: Watched<()> = run(copy, &stop, &clock).await;
+        assert_eq!(r, Watched::Stopped);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        // Already stopped: the first poll says so.
+        let r = run(std::future::pending::<()>(), &stop, &Activity::new()).await;
+        assert_eq!(r, Watched::Stopped);
+    }
+
+    /// No timeout: only the copy or the hard stop ends it.
+    #[tokio::test(start_paused = true)]
+    async fn without_a_timeout_nothing_idles_out() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let copy = async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            "done"
+        };
+        let r = watched(pin!(copy), &stop, &clock, None).await;
+        assert_eq!(r, Watched::Done("done"));
     }
 }
