@@ -285,18 +285,19 @@ impl Pairing {
     }
 
     fn push(&mut self, e: Expect) {
-        if let Some((last, n)) = self.queue.back_mut() {
+        self.push_n(e, 1);
+    }
+
+    /// `n` replies of the same expectation, joined to the run at the back if it is one.
+    fn push_n(&mut self, e: Expect, n: u64) {
+        if let Some((last, run)) = self.queue.back_mut() {
             // The common case, without the general comparison of two `Expect`s.
-            if matches!((&e, &*last), (Expect::Other, Expect::Other)) {
-                *n += 1;
-                return;
-            }
-            if *last == e {
-                *n += 1;
+            if matches!((&e, &*last), (Expect::Other, Expect::Other)) || *last == e {
+                *run += n;
                 return;
             }
         }
-        self.queue.push_back((e, 1));
+        self.queue.push_back((e, n));
     }
 
     fn pop(&mut self) -> Option<Expect> {
@@ -1033,10 +1034,7 @@ impl Commands for Pairing {
 
     fn plain(&mut self, n: u64) {
         self.requested = true;
-        match self.queue.back_mut() {
-            Some((Expect::Other, run)) => *run += n,
-            _ => self.queue.push_back((Expect::Other, n)),
-        }
+        self.push_n(Expect::Other, n);
     }
 }
 

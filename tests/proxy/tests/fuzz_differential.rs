@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use shardgate_crds::{NodeRef, PortLayout};
 use shardgate_harness::addr::free_port_range;
 use shardgate_harness::fuzz::{Rng, Run};
-use shardgate_harness::valkey::{hash_tag_for_slot, ClusterSpec, ValkeyCluster};
+use shardgate_harness::valkey::{hash_tag_for_slot, zero_ping_pong, ClusterSpec, ValkeyCluster};
 use shardgate_proxy::model::Backend;
 use shardgate_proxy::resp::frame::{encode, parse, Frame};
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
@@ -410,7 +410,7 @@ fn normalise(f: &mut Frame<'_>, nodes: Option<&[(SocketAddr, u16)]>, protected: 
                 Some(nodes) if !monitor && !protected.contains(&text) => map_text(&text, nodes),
                 _ => text,
             };
-            *b = zero_times(&mapped).into_bytes().into();
+            *b = zero_ping_pong(&mapped).into_bytes().into();
         }
         Frame::Array(_, items) => {
             // The node this aggregate describes, if it names one by IP alone.
@@ -507,21 +507,6 @@ fn map_text(text: &str, nodes: &[(SocketAddr, u16)]) -> String {
         text = text.replace(&internal.to_string(), &format!("127.0.0.1:{port}"));
     }
     text
-}
-
-/// CLUSTER NODES lines with their ping and pong times set to 0.
-fn zero_times(text: &str) -> String {
-    text.split('\n')
-        .map(|line| {
-            let mut f: Vec<&str> = line.split(' ').collect();
-            if f.len() >= 8 && f[0].trim_start_matches("txt:").len() == 40 {
-                f[4] = "0";
-                f[5] = "0";
-            }
-            f.join(" ")
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 // === The grammar ===

@@ -17,7 +17,7 @@ use std::time::Duration;
 use shardgate_crds::{NodeRef, PortLayout};
 use shardgate_harness::addr::free_port_range;
 use shardgate_harness::http::{get, metric};
-use shardgate_harness::valkey::{hash_tag_for_slot, ClusterSpec, ValkeyCluster};
+use shardgate_harness::valkey::{hash_tag_for_slot, zero_ping_pong, ClusterSpec, ValkeyCluster};
 use shardgate_proxy::model::Backend;
 use shardgate_proxy::resp::frame::{encode, parse, Frame};
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
@@ -217,7 +217,7 @@ fn normalise(f: &mut Frame<'_>, mapping: Option<&Mapping<'_>>) {
                     text = text.replace(&internal.to_string(), &format!("127.0.0.1:{port}"));
                 }
             }
-            *b = Cow::Owned(zero_times(&text).into_bytes());
+            *b = Cow::Owned(zero_ping_pong(&text).into_bytes());
         }
         Frame::Array(_, items) => {
             let mut port_next: Option<(SocketAddr, u16)> = None;
@@ -248,21 +248,6 @@ fn normalise(f: &mut Frame<'_>, mapping: Option<&Mapping<'_>>) {
         Frame::Attribute(_, inner) => normalise(inner, mapping),
         _ => {}
     }
-}
-
-/// CLUSTER NODES lines with their ping and pong times set to 0.
-fn zero_times(text: &str) -> String {
-    text.split('\n')
-        .map(|line| {
-            let mut f: Vec<&str> = line.split(' ').collect();
-            if f.len() >= 8 && f[0].trim_start_matches("txt:").len() == 40 {
-                f[4] = "0";
-                f[5] = "0";
-            }
-            f.join(" ")
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

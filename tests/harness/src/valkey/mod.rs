@@ -46,7 +46,7 @@ pub use node::{Node, LOG_FILE};
 pub use server::{bus_port, BUS_PORT_OFFSET, DEFAULT_PORT};
 pub use slot::{hash_tag_for_slot, key_slot, slot_tags, SLOTS};
 pub use standalone::Standalone;
-pub use view::{parse_cluster_nodes, NodesLine};
+pub use view::{parse_cluster_nodes, zero_ping_pong, NodesLine};
 
 /// Extra settings for one node, computed from its position.
 pub type NodeConfigFn = Arc<dyn Fn(NodeRef) -> Vec<(String, String)> + Send + Sync>;
