@@ -19,7 +19,6 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +29,7 @@ use tokio::net::TcpStream;
 
 use super::buffers::{Buffer, Source};
 use super::sink::Sink;
-use super::watch::{watched, Activity, HardStop, Watched};
+use super::watch::{watch, Activity, HardStop, Watched};
 use crate::dial::{DialError, Dialer};
 use crate::metrics::{
     BytesLabels, KindLabels, Metrics, PerThreadCounter, PortLabels, ReasonLabels, RewriteLabels,
@@ -318,9 +317,8 @@ impl Forwarder {
             })
             .clone();
         let clock = Activity::new();
-        // Pinned where it is built: a future moved after it is built is stored twice.
-        let copy = pin!(self.both(rewrite, cr, cw, br, bw, &up, &down, &clock));
-        match watched(copy, &self.hard_stop, &clock, self.idle_timeout).await {
+        let copy = self.both(rewrite, cr, cw, br, bw, &up, &down, &clock);
+        match watch(copy, &self.hard_stop, &clock, self.idle_timeout).await {
             Watched::Done(r) => r.map(|()| Closed::Eof),
             Watched::Idle => Ok(Closed::Idle),
             Watched::Stopped => Ok(Closed::Drained),

@@ -9,15 +9,16 @@
 //! hard stop's flag, the timer's elapsed state) show that it did not, and only the copy is
 //! polled.
 
-use std::future::{poll_fn, Future};
-use std::pin::{pin, Pin};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 /// The drain's end: when the drain timeout runs out, every connection still open closes.
 /// The token wakes the connections; the flag is what they check on a wake-up, one load
@@ -89,38 +90,66 @@ pub enum Watched<T> {
     Stopped,
 }
 
-/// Polls `copy` until it ends, unless `stop` comes first or, with an `idle` timeout, nothing
-/// moves on `clock` for that long.
-pub async fn watched<F: Future>(
-    mut copy: Pin<&mut F>,
-    stop: &HardStop,
-    clock: &Activity,
+pin_project! {
+    /// `copy` until it ends, unless `stop` comes first or, with an idle timeout, nothing
+    /// moves on `clock` for that long. One struct holding the three futures side by side,
+    /// as `select!` did: an idle connection's memory is mostly this.
+    pub struct Watch<'a, F> {
+        #[pin]
+        copy: F,
+        #[pin]
+        timer: Sleep,
+        #[pin]
+        stopped: WaitForCancellationFuture<'a>,
+        stop: &'a HardStop,
+        clock: &'a Activity,
+        timeout: Option<Duration>,
+        first: bool,
+    }
+}
+
+/// Watches `copy` (see [`Watch`]).
+pub fn watch<'a, F: Future>(
+    copy: F,
+    stop: &'a HardStop,
+    clock: &'a Activity,
     idle: Option<Duration>,
-) -> Watched<F::Output> {
+) -> Watch<'a, F> {
     // A timeout too large to add to an instant means "never": no timer at all.
-    let idle = idle.and_then(|t| clock.last().checked_add(t).map(|first| (t, first)));
-    let mut timer = pin!(tokio::time::sleep_until(idle.map_or(clock.start, |(_, d)| d)));
-    let mut stopped = pin!(stop.token.cancelled());
-    let mut first = true;
-    poll_fn(move |cx| {
-        // An unpolled timer is never elapsed: without a timeout it stays so.
-        if first || stop.is_stopped() || timer.is_elapsed() {
-            first = false;
-            if stopped.as_mut().poll(cx).is_ready() {
+    let due = idle.and_then(|t| clock.last().checked_add(t).map(|due| (t, due)));
+    Watch {
+        copy,
+        // Never polled without a timeout, and so never elapsed.
+        timer: tokio::time::sleep_until(due.map_or(clock.start, |(_, due)| due)),
+        stopped: stop.token.cancelled(),
+        stop,
+        clock,
+        timeout: due.map(|(t, _)| t),
+        first: true,
+    }
+}
+
+impl<F: Future> Future for Watch<'_, F> {
+    type Output = Watched<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if *this.first || this.stop.is_stopped() || this.timer.is_elapsed() {
+            *this.first = false;
+            if this.stopped.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Watched::Stopped);
             }
-            if let Some((timeout, _)) = idle {
-                while timer.as_mut().poll(cx).is_ready() {
-                    match clock.last().checked_add(timeout) {
-                        Some(due) if due > Instant::now() => timer.as_mut().reset(due),
+            if let Some(timeout) = *this.timeout {
+                while this.timer.as_mut().poll(cx).is_ready() {
+                    match this.clock.last().checked_add(timeout) {
+                        Some(due) if due > Instant::now() => this.timer.as_mut().reset(due),
                         _ => return Poll::Ready(Watched::Idle),
                     }
                 }
             }
         }
-        copy.as_mut().poll(cx).map(Watched::Done)
-    })
-    .await
+        this.copy.poll(cx).map(Watched::Done)
+    }
 }
 
 #[cfg(test)]
@@ -131,8 +160,7 @@ mod tests {
 
     /// `watched` with the idle timeout, given an hour (of paused time) to end.
     async fn run<F: Future>(copy: F, stop: &HardStop, clock: &Activity) -> Watched<F::Output> {
-        let copy = pin!(copy);
-        let w = watched(copy, stop, clock, Some(IDLE));
+        let w = watch(copy, stop, clock, Some(IDLE));
         tokio::time::timeout(Duration::from_secs(3600), w)
             .await
             .expect("neither the copy nor a watcher ended it within an hour")
@@ -205,7 +233,7 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(3600)).await;
             "done"
         };
-        let r = watched(pin!(copy), &stop, &clock, None).await;
+        let r = watch(copy, &stop, &clock, None).await;
         assert_eq!(r, Watched::Done("done"));
     }
 }
