@@ -140,31 +140,28 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         publish(ctx, vc, EventType::Warning, "MissingIndexLabel", &note).await;
     }
     // Nodes the spec no longer has leave first, one at a time.
-    match scale::remove_extra_nodes(vc, ctx, &pods).await? {
-        scale::ScaleIn::Done => {}
-        scale::ScaleIn::Acted(what) => {
-            ctx.metrics
-                .actions
-                .get_or_create(&ActionLabels { action: "scale_in" })
-                .inc();
-            info!(cluster = %name, "{what}");
-            publish(ctx, vc, EventType::Normal, "ScaleIn", &what).await;
-            return Ok(Action::requeue(Duration::from_secs(1)));
-        }
-        scale::ScaleIn::Retried(what) => {
-            ctx.metrics
-                .actions
-                .get_or_create(&ActionLabels { action: "scale_in" })
-                .inc();
-            warn!(cluster = %name, "{what}");
-            publish(ctx, vc, EventType::Warning, "SlotMigrationRetried", &what).await;
-            return Ok(Action::requeue(Duration::from_secs(1)));
-        }
+    let scaled = match scale::remove_extra_nodes(vc, ctx, &pods).await? {
+        scale::ScaleIn::Done => None,
+        scale::ScaleIn::Acted(what) => Some((EventType::Normal, "ScaleIn", what)),
+        scale::ScaleIn::Retried(what) => Some((EventType::Warning, "SlotMigrationRetried", what)),
         // Slots on their way to the shards that stay: no event per look.
         scale::ScaleIn::Waiting(what) => {
             info!(cluster = %name, "{what}");
             return Ok(Action::requeue(Duration::from_secs(2)));
         }
+    };
+    if let Some((kind, reason, what)) = scaled {
+        ctx.metrics
+            .actions
+            .get_or_create(&ActionLabels { action: "scale_in" })
+            .inc();
+        if kind == EventType::Warning {
+            warn!(cluster = %name, "{what}");
+        } else {
+            info!(cluster = %name, "{what}");
+        }
+        publish(ctx, vc, kind, reason, &what).await;
+        return Ok(Action::requeue(Duration::from_secs(1)));
     }
     // From here on, only the nodes the spec has.
     pods.nodes.retain(|n, _| nodes.contains(n));

@@ -161,3 +161,85 @@ pub fn redis_benchmark_cluster(seed: std::net::SocketAddr, n: usize) -> Result<S
     );
     Ok(text)
 }
+
+/// Whether the peer closed `s` (EOF or reset) within `within`.
+pub fn closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    use std::io::{ErrorKind, Read};
+    if s.set_read_timeout(Some(within)).is_err() {
+        return true;
+    }
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe),
+    }
+}
+
+/// What [`watch_idle_timeout`] saw.
+#[derive(Debug)]
+pub struct IdleWatch {
+    /// Whether the quiet connection was closed (within 60 s).
+    pub quiet_closed: bool,
+    /// When, counted from the start of its silence.
+    pub quiet_after: Duration,
+    /// Whether the busy connection was closed.
+    pub busy_closed: bool,
+    /// The busy connection's longest gap between two answered pings: a close of it is the
+    /// timeout's only if this machine stalled it that long.
+    pub busy_longest_silence: Duration,
+}
+
+impl IdleWatch {
+    /// Panics unless the quiet connection was closed, not before `idle`, and the busy one
+    /// was left open (or the machine stalled it for half the timeout or more).
+    pub fn check(&self, idle: Duration) {
+        let (after, longest) = (self.quiet_after, self.busy_longest_silence);
+        assert!(
+            self.quiet_closed,
+            "the quiet connection is still open after {after:?}"
+        );
+        assert!(
+            after >= idle,
+            "the quiet connection was closed after {after:?}, before {idle:?}"
+        );
+        assert!(
+            !self.busy_closed || longest >= idle / 2,
+            "a busy connection was closed (its longest silence {longest:?})"
+        );
+    }
+}
+
+/// Watches an idle timeout of `idle`: `quiet` stays silent from now on, `busy` is pinged
+/// with `ping` (false once it is closed) every 100 ms for three timeouts.
+pub fn watch_idle_timeout(
+    mut quiet: std::net::TcpStream,
+    busy: &mut std::net::TcpStream,
+    idle: Duration,
+    mut ping: impl FnMut(&mut std::net::TcpStream) -> bool,
+) -> IdleWatch {
+    let since = std::time::Instant::now();
+    let watcher = std::thread::spawn(move || {
+        // 60 s: a limit only a timeout that never fires reaches.
+        let closed = closed_within(&mut quiet, Duration::from_secs(60));
+        (closed, since.elapsed())
+    });
+    let (mut longest, mut busy_closed) = (Duration::ZERO, false);
+    let mut last = std::time::Instant::now();
+    while since.elapsed() < 3 * idle {
+        std::thread::sleep(Duration::from_millis(100));
+        longest = longest.max(last.elapsed());
+        if !ping(busy) {
+            busy_closed = true;
+            break;
+        }
+        last = std::time::Instant::now();
+    }
+    let (quiet_closed, quiet_after) = watcher.join().unwrap_or((false, Duration::ZERO));
+    IdleWatch {
+        quiet_closed,
+        quiet_after,
+        busy_closed,
+        busy_longest_silence: longest,
+    }
+}

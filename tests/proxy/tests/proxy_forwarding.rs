@@ -2,12 +2,13 @@
 //! graceful drain, large values byte for byte, DNS-named backends, unreachable backends, and
 //! refusing routes that point at the proxy itself.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use shardgate_harness::addr::{free_port, free_port_range};
+use shardgate_harness::clients::{closed_within, watch_idle_timeout};
 use shardgate_harness::http::{get, metric, metric_value};
 use shardgate_harness::routes::one_node_per_shard;
 use shardgate_harness::valkey::Standalone;
@@ -57,17 +58,6 @@ fn ping(s: &mut TcpStream) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Whether the peer closed the connection (EOF or reset) within `within`.
-fn closed(s: &mut TcpStream, within: Duration) -> bool {
-    s.set_read_timeout(Some(within)).unwrap();
-    let mut b = [0u8; 1];
-    match s.read(&mut b) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe),
-    }
-}
-
 fn sample(p: &ProxyHandle, name: &str) -> f64 {
     let (_, m) = get(p.admin_addr().unwrap(), "/metrics").unwrap();
     metric_value(&m, name).unwrap()
@@ -91,37 +81,13 @@ async fn idle_connections_are_closed_and_busy_ones_are_not() {
         let mut quiet = connect(base);
         let mut busy = connect(base);
         ping(&mut quiet).unwrap();
-        let quiet_since = Instant::now();
-        let watcher = std::thread::spawn(move || {
-            // 60 s: a limit only a timeout that never fires reaches.
-            let closed = closed(&mut quiet, Duration::from_secs(60));
-            (closed, quiet_since.elapsed())
-        });
-        let (mut longest, mut busy_closed) = (Duration::ZERO, false);
-        let mut last = Instant::now();
-        while quiet_since.elapsed() < 3 * IDLE {
-            std::thread::sleep(Duration::from_millis(100));
-            longest = longest.max(last.elapsed());
-            if ping(&mut busy).is_err() {
-                busy_closed = true;
-                break;
-            }
-            last = Instant::now();
-        }
-        let (quiet_closed, after) = watcher.join().unwrap();
-        assert!(quiet_closed, "idle connection still open after {after:?}");
-        assert!(
-            after >= IDLE,
-            "idle connection closed after {after:?}, before {IDLE:?}"
-        );
-        assert!(
-            !busy_closed || longest >= IDLE / 2,
-            "a busy connection was closed (its longest silence {longest:?})"
-        );
+        let w = watch_idle_timeout(quiet, &mut busy, IDLE, |s| ping(s).is_ok());
+        w.check(IDLE);
+        let busy_closed = w.busy_closed;
         if !busy_closed {
             ping(&mut busy).expect("a busy connection was closed");
         }
-        eprintln!("idle close after {after:?}; busy connection's longest silence {longest:?}");
+        eprintln!("{w:?}");
         busy_closed
     });
     assert_eq!(
@@ -150,7 +116,7 @@ async fn connections_past_the_limit_are_closed_and_counted() {
         ping(&mut b).unwrap();
         let mut c = connect(base);
         assert!(
-            ping(&mut c).is_err() || closed(&mut c, Duration::from_secs(2)),
+            ping(&mut c).is_err() || closed_within(&mut c, Duration::from_secs(2)),
             "a third connection was served"
         );
         drop(a);
@@ -223,7 +189,10 @@ async fn drain_stops_accepting_and_lets_open_connections_finish() {
     let mut open = connect(base);
     ping(&mut open).unwrap();
     assert_eq!(p.shutdown().await, 1);
-    assert!(block_in_place(|| closed(&mut open, Duration::from_secs(2))));
+    assert!(block_in_place(|| closed_within(
+        &mut open,
+        Duration::from_secs(2)
+    )));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -291,7 +260,7 @@ async fn backends_by_dns_name_and_unreachable_backends() {
         ping(&mut s).expect("no PONG through a DNS-named backend");
         let mut dead = connect(base + 1);
         assert!(
-            closed(&mut dead, Duration::from_secs(5)),
+            closed_within(&mut dead, Duration::from_secs(5)),
             "a connection to a dead backend stayed open"
         );
     });

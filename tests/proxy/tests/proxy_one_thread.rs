@@ -3,11 +3,12 @@
 //! pass byte for byte, a quiet connection is closed at the idle timeout, and SIGTERM drains
 //! and exits.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use shardgate_harness::addr::{free_port, free_port_range};
+use shardgate_harness::clients::{closed_within, watch_idle_timeout};
 use shardgate_harness::http;
 use shardgate_harness::proxy_process::{proxy_binary, ProxyProcess};
 use shardgate_harness::routes::one_node_per_shard;
@@ -42,17 +43,6 @@ fn pong(s: &mut TcpStream) -> bool {
     s.write_all(b"*1\r\n$4\r\nPING\r\n").is_ok()
         && s.read_exact(&mut reply).is_ok()
         && &reply == b"+PONG\r\n"
-}
-
-/// Whether the proxy closed `s` (EOF or reset) within `within`.
-fn closed(s: &mut TcpStream, within: Duration) -> bool {
-    s.set_read_timeout(Some(within)).unwrap();
-    let mut b = [0u8; 1];
-    match s.read(&mut b) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe),
-    }
 }
 
 #[test]
@@ -119,37 +109,10 @@ fn one_worker_thread_forwards_idles_out_and_drains() {
 
     // The quiet connection (`through`, silent from now) is closed by the idle timeout, not
     // before it; one that keeps talking is not.
-    let quiet_since = Instant::now();
     let mut busy = connect(base);
-    let watcher = std::thread::spawn(move || {
-        let closed = closed(&mut through, Duration::from_secs(30));
-        (closed, quiet_since.elapsed())
-    });
-    let (mut longest, mut busy_closed) = (Duration::ZERO, false);
-    let mut last = Instant::now();
-    while quiet_since.elapsed() < 3 * IDLE {
-        std::thread::sleep(Duration::from_millis(100));
-        longest = longest.max(last.elapsed());
-        if !pong(&mut busy) {
-            busy_closed = true;
-            break;
-        }
-        last = Instant::now();
-    }
-    let (quiet_closed, after) = watcher.join().unwrap();
-    assert!(
-        quiet_closed,
-        "the quiet connection is still open after {after:?}"
-    );
-    assert!(
-        after >= IDLE,
-        "closed after {after:?}, before the idle timeout"
-    );
-    // The busy one may idle out only if this machine stalled it for half the timeout.
-    assert!(
-        !busy_closed || longest >= IDLE / 2,
-        "a busy connection was closed (its longest silence {longest:?})"
-    );
+    let w = watch_idle_timeout(through, &mut busy, IDLE, pong);
+    w.check(IDLE);
+    let busy_closed = w.busy_closed;
     let (_, metrics) = http::get(admin, "/metrics").unwrap();
     assert_eq!(
         http::metric(
@@ -168,7 +131,7 @@ fn one_worker_thread_forwards_idles_out_and_drains() {
     let status = proxy.wait_exit(Duration::from_secs(20)).unwrap();
     assert!(status.success(), "exit {status}; log:\n{}", proxy.log());
     assert!(
-        closed(&mut busy, Duration::from_secs(5)),
+        closed_within(&mut busy, Duration::from_secs(5)),
         "the open connection outlived the proxy's drain"
     );
 }
