@@ -481,21 +481,22 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             }
         }
     }
-    let mut retried = false;
+    let (mut retried, mut waiting) = (false, Vec::new());
     for (src, targets) in &moves {
         let (node, addr) = (seen[*src].node, seen[*src].addr);
         let history = migrations(&mut seen[*src].client)
             .await
             .map_err(|source| FormationError::Node { node, addr, source })?;
+        // A source that must wait does not hold back the others.
         let again = match history {
             Migrations::Idle => None,
             Migrations::Running(state) => {
-                return Ok(Progress::Waiting(format!(
-                    "node {node} is migrating slots ({state})"
-                )));
+                waiting.push(format!("node {node} is migrating slots ({state})"));
+                continue;
             }
             Migrations::Failed(failed) if !failed.retry_in.is_zero() => {
-                return Ok(Progress::Waiting(format!("node {node}'s {failed}")));
+                waiting.push(format!("node {node}'s {failed}"));
+                continue;
             }
             Migrations::Failed(failed) => Some(failed),
         };
@@ -528,6 +529,9 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         } else {
             Progress::Acted(what)
         });
+    }
+    if !waiting.is_empty() {
+        return Ok(Progress::Waiting(waiting.join("; ")));
     }
 
     // 7. Formed when every node says so.
@@ -674,9 +678,12 @@ pub fn retry_delay(failures: u32) -> Duration {
 /// One job of `CLUSTER GETSLOTMIGRATIONS`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 struct Job {
+    /// `EXPORT` (slots leaving this node) or `IMPORT`.
+    operation: String,
     state: String,
     message: String,
-    /// The node's Unix time of its last change, in seconds.
+    /// The node's Unix time of the job's start and of its last change, in seconds.
+    created: u64,
     last_update: u64,
 }
 
@@ -702,8 +709,10 @@ fn jobs(reply: &shardgate_admin_client::Reply) -> Vec<Job> {
                 _ => continue,
             };
             match &k[..] {
+                b"operation" => j.operation = text.into_owned(),
                 b"state" => j.state = text.into_owned(),
                 b"message" => j.message = text.into_owned(),
+                b"create_time" => j.created = text.parse().unwrap_or(0),
                 b"last_update_time" => j.last_update = text.parse().unwrap_or(0),
                 _ => {}
             }
@@ -713,21 +722,39 @@ fn jobs(reply: &shardgate_admin_client::Reply) -> Vec<Job> {
     out
 }
 
-/// What `jobs` (newest first) mean for starting another migration, at the node's time `now`.
+/// What `jobs` (newest first) mean for starting another migration from this node, at the
+/// node's time `now`. One `MIGRATESLOTS` makes an export job per destination, all created
+/// in the same second: an attempt is the exports sharing the newest start time, failed if
+/// any of them failed. Imports (slots this node received) are not its attempts.
 fn assess(jobs: &[Job], now: u64) -> Migrations {
     if let Some(running) = jobs.iter().find(|j| !FINISHED.contains(&j.state.as_str())) {
         return Migrations::Running(running.state.clone());
     }
-    let failures = jobs.iter().take_while(|j| j.state == "failed").count();
-    let Some(newest) = jobs.first().filter(|_| failures > 0) else {
+    let exports = jobs
+        .iter()
+        .filter(|j| j.operation.eq_ignore_ascii_case("export"));
+    let mut attempts: Vec<Vec<&Job>> = Vec::new();
+    for job in exports {
+        match attempts.last_mut() {
+            Some(attempt) if attempt[0].created == job.created => attempt.push(job),
+            _ => attempts.push(vec![job]),
+        }
+    }
+    let failed = |attempt: &Vec<&Job>| attempt.iter().any(|j| j.state == "failed");
+    let failures = attempts.iter().take_while(|a| failed(a)).count();
+    let Some(newest) = attempts.first().filter(|_| failures > 0) else {
         return Migrations::Idle;
     };
     let failures = u32::try_from(failures).unwrap_or(u32::MAX);
-    let since = Duration::from_secs(now.saturating_sub(newest.last_update));
-    let message = match newest.message.trim() {
-        "" => "no reason given".to_string(),
-        m => m.to_string(),
-    };
+    let ended = newest.iter().map(|j| j.last_update).max().unwrap_or(0);
+    let since = Duration::from_secs(now.saturating_sub(ended));
+    let message = newest
+        .iter()
+        .filter(|j| j.state == "failed")
+        .map(|j| j.message.trim())
+        .find(|m| !m.is_empty())
+        .unwrap_or("no reason given")
+        .to_string();
     Migrations::Failed(FailedMigration {
         message,
         failures,
@@ -741,11 +768,11 @@ pub async fn migrations(client: &mut Client) -> Result<Migrations, shardgate_adm
     use shardgate_admin_client::Reply;
     let reply = client.command(["CLUSTER", "GETSLOTMIGRATIONS"]).await?;
     let jobs = jobs(&reply);
-    if jobs.first().is_none_or(|j| j.state != "failed") {
+    if !matches!(assess(&jobs, u64::MAX), Migrations::Failed(_)) {
         return Ok(assess(&jobs, 0));
     }
-    let now = match client.command(["TIME"]).await? {
-        Reply::Array(parts) => match parts.first() {
+    let now = match client.command(["TIME"]).await {
+        Ok(Reply::Array(parts)) => match parts.first() {
             Some(Reply::BulkString(secs)) => {
                 std::str::from_utf8(secs).ok().and_then(|s| s.parse().ok())
             }
@@ -753,7 +780,7 @@ pub async fn migrations(client: &mut Client) -> Result<Migrations, shardgate_adm
         },
         _ => None,
     };
-    // A TIME reply that does not parse: retry as if the delay had passed, as before.
+    // No TIME (refused, or a reply that does not parse): retry as if the delay had passed.
     Ok(assess(&jobs, now.unwrap_or(u64::MAX)))
 }
 
@@ -781,11 +808,14 @@ mod tests {
         assert_eq!(home_shard(16383, 3), 2);
     }
 
-    fn job(state: &str, last_update: u64) -> Job {
+    /// An export job started and last changed at `at`.
+    fn job(state: &str, at: u64) -> Job {
         Job {
+            operation: "EXPORT".into(),
             state: state.into(),
-            message: format!("{state} at {last_update}"),
-            last_update,
+            message: format!("{state} at {at}"),
+            created: at,
+            last_update: at,
         }
     }
 
@@ -815,6 +845,22 @@ mod tests {
         assert_eq!(failed(&three, 101), (3, 19));
         // A node clock behind the failure: the whole delay.
         assert_eq!(failed(&three, 0), (3, 20));
+        // One command to three shards: three exports of one start time, one attempt, failed
+        // if any failed; whatever the order Valkey lists them in.
+        let mut one = [job("success", 100), job("failed", 100), job("success", 100)];
+        assert_eq!(failed(&one, 100), (1, 5));
+        one.rotate_left(1);
+        assert_eq!(failed(&one, 100), (1, 5));
+        // An import that failed here is the other node's attempt, not this one's.
+        let import = Job {
+            operation: "IMPORT".into(),
+            ..job("failed", 100)
+        };
+        assert_eq!(
+            assess(&[import.clone(), job("success", 90)], 100),
+            Migrations::Idle
+        );
+        assert_eq!(failed(&[import, job("failed", 90)], 91), (1, 4));
         let secs = |n| retry_delay(n).as_secs();
         assert_eq!(
             [1, 2, 3, 6, 7, 8, 60].map(secs),
@@ -846,7 +892,22 @@ mod tests {
                 .unwrap();
             assert!(status.success(), "kill {sig} {pid}");
         };
+        // The node's clock, in seconds: an attempt is the exports of one start second.
+        let node_secs = |reply: shardgate_admin_client::Reply| match reply {
+            shardgate_admin_client::Reply::Array(p) => match p.first() {
+                Some(shardgate_admin_client::Reply::BulkString(b)) => {
+                    std::str::from_utf8(b).unwrap().parse::<u64>().unwrap()
+                }
+                other => panic!("TIME: {other:?}"),
+            },
+            other => panic!("TIME: {other:?}"),
+        };
+        let mut started = 0;
         for attempt in 1..=2u32 {
+            while node_secs(client.command(["TIME"]).await.unwrap()) <= started {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            started = node_secs(client.command(["TIME"]).await.unwrap());
             // The target stopped, then killed: the source's link to it breaks mid-migration.
             signal("-STOP");
             let (args, _) = migrate_slots([(&[(0u16, 99u16)][..], target_id.as_str())]);

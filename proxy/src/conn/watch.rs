@@ -70,7 +70,8 @@ impl Activity {
     }
 
     pub fn touch(&self) {
-        let ms = self.start.elapsed().as_millis() as u64;
+        // Rounded up: the idle timeout then never counts from before the bytes moved.
+        let ms = self.start.elapsed().as_micros().div_ceil(1000) as u64;
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
@@ -134,8 +135,13 @@ impl<F: Future> Future for Watch<'_, F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        // The copy first: bytes that came as the timer fired count as activity.
+        if let Poll::Ready(done) = this.copy.poll(cx) {
+            return Poll::Ready(Watched::Done(done));
+        }
         if *this.first || this.stop.is_stopped() || this.timer.is_elapsed() {
-            *this.first = false;
+            // A timer polled without coop budget is not armed: try again on the next poll.
+            *this.first = !tokio::task::coop::has_budget_remaining();
             if this.stopped.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Watched::Stopped);
             }
@@ -148,7 +154,7 @@ impl<F: Future> Future for Watch<'_, F> {
                 }
             }
         }
-        this.copy.poll(cx).map(Watched::Done)
+        Poll::Pending
     }
 }
 
@@ -223,6 +229,21 @@ mod tests {
         // Already stopped: the first poll says so.
         let r = run(std::future::pending::<()>(), &stop, &Activity::new()).await;
         assert_eq!(r, Watched::Stopped);
+    }
+
+    /// A quiet copy is ended by the hard stop's own wake-up, not by a later one.
+    #[tokio::test(start_paused = true)]
+    async fn the_hard_stop_ends_a_quiet_copy_at_once() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            stopper.stop();
+        });
+        let started = Instant::now();
+        let r = run(std::future::pending::<()>(), &stop, &clock).await;
+        assert_eq!(r, Watched::Stopped);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
     }
 
     /// No timeout: only the copy or the hard stop ends it.
