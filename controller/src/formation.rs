@@ -768,8 +768,10 @@ pub async fn migrations(client: &mut Client) -> Result<Migrations, shardgate_adm
     use shardgate_admin_client::Reply;
     let reply = client.command(["CLUSTER", "GETSLOTMIGRATIONS"]).await?;
     let jobs = jobs(&reply);
-    if !matches!(assess(&jobs, u64::MAX), Migrations::Failed(_)) {
-        return Ok(assess(&jobs, 0));
+    // Only a failure needs the node's time (to date it).
+    let seen = assess(&jobs, u64::MAX);
+    if !matches!(seen, Migrations::Failed(_)) {
+        return Ok(seen);
     }
     let now = match client.command(["TIME"]).await {
         Ok(Reply::Array(parts)) => match parts.first() {

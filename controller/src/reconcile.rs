@@ -151,16 +151,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         }
     };
     if let Some((kind, reason, what)) = scaled {
-        ctx.metrics
-            .actions
-            .get_or_create(&ActionLabels { action: "scale_in" })
-            .inc();
-        if kind == EventType::Warning {
-            warn!(cluster = %name, "{what}");
-        } else {
-            info!(cluster = %name, "{what}");
-        }
-        publish(ctx, vc, kind, reason, &what).await;
+        announce(ctx, vc, "scale_in", kind, reason, &what).await;
         return Ok(Action::requeue(Duration::from_secs(1)));
     }
     // From here on, only the nodes the spec has.
@@ -210,20 +201,15 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         timeouts: ctx.timeouts,
     };
     let mut progress = formation::step(&plan).await?;
-    if let Progress::Acted(what) | Progress::Retried(what) = &progress {
-        ctx.metrics
-            .actions
-            .get_or_create(&ActionLabels {
-                action: "formation",
-            })
-            .inc();
-        if matches!(progress, Progress::Retried(_)) {
-            warn!(cluster = %name, "{what}");
-            publish(ctx, vc, EventType::Warning, "SlotMigrationRetried", what).await;
-        } else {
-            info!(cluster = %name, "{what}");
-            publish(ctx, vc, EventType::Normal, "Formation", what).await;
+    match &progress {
+        Progress::Acted(what) => {
+            announce(ctx, vc, "formation", EventType::Normal, "Formation", what).await;
         }
+        Progress::Retried(what) => {
+            let reason = "SlotMigrationRetried";
+            announce(ctx, vc, "formation", EventType::Warning, reason, what).await;
+        }
+        _ => {}
     }
     let stale: Vec<_> = nodes
         .iter()
@@ -236,12 +222,15 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .collect();
     if let Progress::Formed(formed) = &progress {
         if let Some(what) = rolling::step(vc, ctx, &pods, formed, &stale).await? {
-            ctx.metrics
-                .actions
-                .get_or_create(&ActionLabels { action: "rolling" })
-                .inc();
-            info!(cluster = %name, "{what}");
-            publish(ctx, vc, EventType::Normal, "RollingConfig", &what).await;
+            announce(
+                ctx,
+                vc,
+                "rolling",
+                EventType::Normal,
+                "RollingConfig",
+                &what,
+            )
+            .await;
             progress = Progress::Acted(what);
         }
     }
@@ -332,6 +321,28 @@ pub type Backoff = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
 
 /// The clusters a one-time warning was published for.
 pub type Warned = Arc<Mutex<HashSet<ObjectRef<ValkeyCluster>>>>;
+
+/// Something the operator did to `vc`: counted by `action`, logged (a Warning as a
+/// warning), and published as an event.
+async fn announce(
+    ctx: &Context,
+    vc: &ValkeyCluster,
+    action: &'static str,
+    kind: EventType,
+    reason: &str,
+    what: &str,
+) {
+    ctx.metrics
+        .actions
+        .get_or_create(&ActionLabels { action })
+        .inc();
+    if kind == EventType::Warning {
+        warn!(cluster = %vc.name_any(), "{what}");
+    } else {
+        info!(cluster = %vc.name_any(), "{what}");
+    }
+    publish(ctx, vc, kind, reason, what).await;
+}
 
 /// Publishes an event about `vc`; a failure to publish is logged, not fatal.
 async fn publish(ctx: &Context, vc: &ValkeyCluster, type_: EventType, reason: &str, note: &str) {

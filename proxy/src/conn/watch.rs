@@ -164,12 +164,21 @@ mod tests {
 
     const IDLE: Duration = Duration::from_secs(5);
 
-    /// `watched` with the idle timeout, given an hour (of paused time) to end.
+    /// `watch` with the idle timeout, given an hour (of paused time) to end.
     async fn run<F: Future>(copy: F, stop: &HardStop, clock: &Activity) -> Watched<F::Output> {
         let w = watch(copy, stop, clock, Some(IDLE));
         tokio::time::timeout(Duration::from_secs(3600), w)
             .await
             .expect("neither the copy nor a watcher ended it within an hour")
+    }
+
+    /// Stops `stop` after `secs` of (paused) time.
+    fn stop_after(stop: &HardStop, secs: u64) {
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            stopper.stop();
+        });
     }
 
     #[tokio::test(start_paused = true)]
@@ -210,11 +219,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_hard_stop_ends_a_busy_copy_at_once() {
         let (stop, clock) = (HardStop::default(), Activity::new());
-        let stopper = stop.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            stopper.stop();
-        });
+        stop_after(&stop, 2);
         let started = Instant::now();
         // Busy: wakes itself every 100 ms and moves bytes.
         let copy = async {
@@ -235,11 +240,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_hard_stop_ends_a_quiet_copy_at_once() {
         let (stop, clock) = (HardStop::default(), Activity::new());
-        let stopper = stop.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            stopper.stop();
-        });
+        stop_after(&stop, 2);
         let started = Instant::now();
         let r = run(std::future::pending::<()>(), &stop, &clock).await;
         assert_eq!(r, Watched::Stopped);
