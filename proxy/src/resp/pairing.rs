@@ -53,6 +53,9 @@ pub enum Expect {
     /// HELLO: its reply's type says which protocol the connection speaks from then on (a
     /// map: RESP3, an array: RESP2, an error: unchanged).
     Hello,
+    /// MULTI, taken as started when sent: an error in its place (an ACL rule, a missing
+    /// AUTH) says that it did not start, and the commands sent after it run one by one.
+    Multi,
     /// EXEC whose transaction holds topology commands: what each queued command's reply
     /// is, in order, run-length encoded (every command that is not topology is `Other`, so
     /// a transaction of a million GETs and one CLUSTER SLOTS is two runs).
@@ -90,6 +93,10 @@ pub enum Lost {
     /// serves, a channel its ACL user may not use), and then the confirmations that come
     /// could be either's, which nothing followed here tells apart.
     SubscribeAfterQuietSubscribe,
+    /// MULTI refused (an ACL rule, a missing AUTH) with commands already sent behind it:
+    /// they were taken as queued, and run one by one instead (a subscribe, a CLIENT REPLY,
+    /// another MULTI would then change what later replies are).
+    MultiRefused,
 }
 
 impl Lost {
@@ -107,6 +114,7 @@ impl Lost {
             Lost::SubscribeAfterQuietSubscribe => {
                 "a subscribe command right behind one sent with CLIENT REPLY OFF or SKIP"
             }
+            Lost::MultiRefused => "MULTI refused with commands sent behind it as if queued",
         }
     }
 }
@@ -123,6 +131,7 @@ impl Expect {
                 | Expect::SkippedReset
                 | Expect::ExecProtocol(_)
                 | Expect::Hello
+                | Expect::Multi
         )
     }
 
@@ -508,6 +517,8 @@ impl Pairing {
         }
         if name == b"multi" && cmd.argc == 1 {
             self.in_multi = true;
+            self.push(Expect::Multi);
+            return;
         }
         if expect == Expect::Monitor && self.monitor_unanswered() && self.queue.is_empty() {
             // Every reply came, so monitoring is on: this MONITOR gets no reply.
@@ -874,9 +885,26 @@ impl Pairing {
             Expect::Reset => self.reset_replies(),
             Expect::Hello if ty == b'%' => self.resp3 = true,
             Expect::Hello if ty == b'*' => self.resp3 = false,
+            Expect::Multi if ty == b'-' => self.multi_refused(),
             _ => {}
         }
         Answer::InBand(expect)
+    }
+
+    /// MULTI's reply was an error: no transaction. Followed on only when nothing was sent
+    /// behind it yet; else what was recorded as queued is wrong.
+    fn multi_refused(&mut self) {
+        let untouched = self.in_multi
+            && self.queue.is_empty()
+            && self.transaction.is_empty()
+            && !self.transaction_overflow
+            && self.transaction_lost.is_none()
+            && self.transaction_protocol.is_none();
+        if untouched {
+            self.end_transaction();
+        } else {
+            self.lost.get_or_insert(Lost::MultiRefused);
+        }
     }
 
     /// RESET's reply: no subscription, no MONITOR, RESP2.
@@ -1262,6 +1290,41 @@ pub(crate) mod tests {
         );
         assert_eq!(got[6], InBand(Expect::Other));
         assert_eq!(got[7], InBand(Expect::ClusterSlots));
+    }
+
+    /// MULTI refused (the bytes Valkey 9.1 sends for a user whose ACL lacks it): with
+    /// nothing sent behind it, the next commands are followed as run one by one (CLUSTER
+    /// SLOTS rewritten, CLIENT REPLY obeyed); with commands already sent as if queued, the
+    /// connection is given up at MULTI's reply.
+    #[test]
+    fn a_refused_multi_starts_nothing() {
+        let refused: &[u8] =
+            b"-NOPERM User u has no permissions to run the 'multi' command\r\n";
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        let reply = |p: &mut Pairing, r: &[u8]| {
+            let frame = parse(r).unwrap().0;
+            let captured = p.capture(r[0]);
+            p.on_reply(r[0], captured.then_some(&frame))
+        };
+        s.feed(b"MULTI\r\n", |c| p.on_request(c)).unwrap();
+        assert_eq!(reply(&mut p, refused), InBand(Expect::Multi));
+        s.feed(b"CLUSTER SLOTS\r\nCLIENT REPLY OFF\r\nGET a\r\nCLIENT REPLY ON\r\nEXEC\r\n", |c| {
+            p.on_request(c)
+        })
+        .unwrap();
+        assert_eq!(reply(&mut p, b"*0\r\n"), InBand(Expect::ClusterSlots));
+        assert_eq!(reply(&mut p, b"+OK\r\n"), InBand(Expect::Other));
+        assert_eq!(reply(&mut p, b"-ERR EXEC without MULTI\r\n"), InBand(Expect::Other));
+        assert_eq!((p.pending(), p.lost()), (0, None));
+        // Accepted, the same MULTI starts a transaction.
+        let got = pair(b"MULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n", &[b"+OK\r\n", b"+QUEUED\r\n", b"*1\r\n*0\r\n"]);
+        assert!(matches!(got[2], InBand(Expect::Exec(_))), "{got:?}");
+        // Pipelined behind a refused MULTI: lost where MULTI's reply is placed.
+        let got = lost_after(b"GET a\r\nMULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n", &[b"$-1\r\n", refused]);
+        assert_eq!(got, [None, None, Some(Lost::MultiRefused)]);
+        let got = lost_after(b"MULTI\r\nDISCARD\r\n", &[refused]);
+        assert_eq!(got, [None, Some(Lost::MultiRefused)]);
     }
 
     /// Found by the differential fuzzer: a MULTI whose reply is skipped or off still starts

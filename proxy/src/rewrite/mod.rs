@@ -199,6 +199,7 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
         | Expect::SkippedReset
         | Expect::ExecProtocol(_)
         | Expect::Lost(_)
-        | Expect::Hello => {}
+        | Expect::Hello
+        | Expect::Multi => {}
     }
 }

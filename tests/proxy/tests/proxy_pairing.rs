@@ -87,6 +87,15 @@ impl Fixture {
         let _: () = block_in_place(|| node.query(&["SET", key, value])).unwrap();
     }
 
+    /// A user on the first node who may run every command but MULTI (password `pw`).
+    fn user_without_multi(&self) {
+        let node = self.cluster.node(NodeRef::new(0, 0));
+        let acl = [
+            "ACL", "SETUSER", "nomulti", "on", ">pw", "+@all", "-multi", "~*", "&*",
+        ];
+        let _: () = block_in_place(|| node.query(&acl)).unwrap();
+    }
+
     fn cluster_nodes(&self) -> String {
         let node = self.cluster.node(NodeRef::new(0, 0));
         block_in_place(|| node.query(&["CLUSTER", "NODES"])).unwrap()
@@ -150,6 +159,12 @@ impl Fixture {
 
 /// Writes `script` at once, then reads until the server has been quiet for a while.
 async fn transcript(addr: SocketAddr, script: &[u8]) -> Vec<u8> {
+    transcript_in_turns(addr, &[script]).await
+}
+
+/// Writes each part of a script at once, after the replies to the one before it (the
+/// server quiet for a while).
+async fn transcript_in_turns(addr: SocketAddr, parts: &[&[u8]]) -> Vec<u8> {
     // A listener is bound right after the route table that names it is published.
     let mut tries = 0;
     let mut s = loop {
@@ -163,16 +178,20 @@ async fn transcript(addr: SocketAddr, script: &[u8]) -> Vec<u8> {
         }
     };
     s.set_nodelay(true).unwrap();
-    s.write_all(script).await.unwrap();
     let mut out = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        match tokio::time::timeout(Duration::from_millis(700), s.read(&mut buf)).await {
-            Ok(Ok(0)) | Err(_) => return out,
-            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
-            Ok(Err(e)) => panic!("reading from {addr}: {e}"),
+    for part in parts {
+        s.write_all(part).await.unwrap();
+        loop {
+            match tokio::time::timeout(Duration::from_millis(700), s.read(&mut buf)).await {
+                Ok(Ok(0)) => return out,
+                Err(_) => break,
+                Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+                Ok(Err(e)) => panic!("reading from {addr}: {e}"),
+            }
         }
     }
+    out
 }
 
 async fn tracing_free_sleep(_why: std::io::Error) {
@@ -290,6 +309,45 @@ async fn commands_valkey_rejects_change_no_pairing_state() {
     );
 }
 
+/// MULTI that Valkey refuses (here an ACL rule) starts no transaction: a client that waits
+/// for its reply gets the next commands' replies as directly, topology rewritten (the
+/// pipelined case is in the test below: closed, never guessed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_multi_starts_nothing() {
+    let f = Fixture::start().await;
+    f.user_without_multi();
+    let nodes = f.cluster_nodes().replace("myself,", "");
+    f.set(&f.key("nodes"), &nodes);
+    let first: &[u8] = b"AUTH nomulti pw\r\nMULTI\r\n";
+    let then = f.keys("CLUSTER SLOTS\r\nGET @nodes\r\nCLIENT REPLY OFF\r\nGET @nodes\r\nCLIENT REPLY ON\r\nCLUSTER NODES\r\nEXEC\r\nGET @nodes\r\nCLUSTER SHARDS\r\n");
+    let direct = transcript_in_turns(f.node(), &[first, &then]).await;
+    let port = f.layout.port(NodeRef::new(0, 0)).unwrap();
+    let proxied = transcript_in_turns(SocketAddr::from((LO, port)), &[first, &then]).await;
+    // CLUSTER SHARDS carries offsets that may differ between two calls: it is checked for
+    // internal addresses only (the last frame).
+    let without_last = |t: &[u8]| -> Vec<u8> {
+        let fr = frames(t);
+        fr[..fr.len().saturating_sub(1)].concat()
+    };
+    let text = String::from_utf8_lossy(&direct);
+    assert!(
+        text.contains("-NOPERM") && text.contains("EXEC without MULTI"),
+        "{text}"
+    );
+    // Neither `ip:port` (CLUSTER NODES, SHARDS) nor the port as an integer (SLOTS).
+    let through = String::from_utf8_lossy(&proxied).replace(&nodes, "");
+    for internal in [f.node().to_string(), format!(":{}\r\n", f.node().port())] {
+        assert!(!through.contains(&internal), "{internal} in {through}");
+    }
+    let script = [first, &then].concat();
+    f.assert_same(
+        &script,
+        &[nodes],
+        &without_last(&direct),
+        &without_last(&proxied),
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resp3_arrays_on_a_subscribed_connection_are_replies() {
     let f = Fixture::start().await;
@@ -326,7 +384,7 @@ async fn resp3_arrays_on_a_subscribed_connection_are_replies() {
 /// Where the pairing cannot follow Valkey (`CLIENT REPLY SKIP` on a RESP2 subscribed
 /// connection, which Valkey refuses there; a subscribe inside MULTI; HELLO sent with replies
 /// off; a transaction on a monitoring connection, whose EXEC array Valkey interleaves with
-/// monitor lines), the proxy forwards the replies up to that point as Valkey sent them, then an error
+/// monitor lines; MULTI refused with commands sent behind it as if queued), the proxy forwards the replies up to that point as Valkey sent them, then an error
 /// line, and closes, counted: a stored value that looks like topology is never rewritten,
 /// and no later topology reply goes out with internal addresses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,12 +393,15 @@ async fn where_the_pairing_cannot_follow_the_connection_is_closed_never_guessed(
     let nodes = f.cluster_nodes();
     let value = format!("{nodes}MOVED 1 {}\n", f.node());
     f.set(&f.key("nodes"), &value);
+    f.user_without_multi();
     let tail = "GET @nodes\r\nCLUSTER NODES\r\nCLUSTER SLOTS\r\n";
     let scripts = [
         format!("SUBSCRIBE ch\r\nCLIENT REPLY SKIP\r\nUNSUBSCRIBE ch\r\n{tail}"),
         format!("MULTI\r\nSUBSCRIBE ch\r\nEXEC\r\nUNSUBSCRIBE\r\n{tail}"),
         format!("CLIENT REPLY OFF\r\nHELLO 3\r\nCLIENT REPLY ON\r\n{tail}"),
         format!("MONITOR\r\nMULTI\r\nCLUSTER SHARDS\r\nEXEC\r\nRESET\r\n{tail}"),
+        // MULTI refused with commands already sent behind it, taken as queued.
+        format!("AUTH nomulti pw\r\nMULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n{tail}"),
     ];
     let counted = "shardgate_proxy_connections_closed_total{reason=\"pairing_lost\"}";
     let before = f.metric(counted);
