@@ -462,7 +462,9 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     // acknowledged write is lost).
     let mut moves: BTreeMap<usize, BTreeMap<usize, Vec<(u16, u16)>>> = BTreeMap::new();
     for (&shard, &p) in &primaries {
-        let Some(me) = line(&seen[p].id) else {
+        // The slots it serves by its own word: the introducer may not have heard yet of a
+        // migration that just moved some away (Valkey refuses to move a slot not served).
+        let Some(me) = seen[p].me() else {
             continue;
         };
         for (home, range) in by_home_shard(&me.slots, plan.shards) {
@@ -661,7 +663,10 @@ impl fmt::Display for FailedMigration {
         };
         write!(f, "last slot migration failed ({}{attempts})", self.message)?;
         if !self.retry_in.is_zero() {
-            write!(f, "; trying again in {} s", self.retry_in.as_secs().max(1))?;
+            // The delay, not the time left: this text is in status, and one that changed
+            // on every look would be a write, and so another look, every second.
+            let delay = retry_delay(self.failures).as_secs();
+            write!(f, "; trying again {delay} s after it failed")?;
         }
         Ok(())
     }
@@ -845,6 +850,13 @@ mod tests {
             job("success", 1),
         ];
         assert_eq!(failed(&three, 101), (3, 19));
+        // Its text (in status) is the same on every look while it waits.
+        let text = |now| match assess(&three, now) {
+            Migrations::Failed(f) => f.to_string(),
+            other => panic!("not failed: {other:?}"),
+        };
+        assert_eq!(text(101), text(110));
+        assert!(text(101).ends_with("3 attempts in a row); trying again 20 s after it failed"));
         // A node clock behind the failure: the whole delay.
         assert_eq!(failed(&three, 0), (3, 20));
         // One command to three shards: three exports of one start time, one attempt, failed

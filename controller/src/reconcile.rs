@@ -139,21 +139,25 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         );
         publish(ctx, vc, EventType::Warning, "MissingIndexLabel", &note).await;
     }
-    // Nodes the spec no longer has leave first, one at a time.
-    let scaled = match scale::remove_extra_nodes(vc, ctx, &pods).await? {
+    // Nodes the spec no longer has leave first, one at a time; formation and rolling wait
+    // for them (formation would forget a leaving node that still runs).
+    let scaled_in = match scale::remove_extra_nodes(vc, ctx, &pods).await? {
         scale::ScaleIn::Done => None,
-        scale::ScaleIn::Acted(what) => Some((EventType::Normal, "ScaleIn", what)),
-        scale::ScaleIn::Retried(what) => Some((EventType::Warning, "SlotMigrationRetried", what)),
+        scale::ScaleIn::Acted(what) => {
+            announce(ctx, vc, "scale_in", EventType::Normal, "ScaleIn", &what).await;
+            Some(Progress::Acted(what))
+        }
+        scale::ScaleIn::Retried(what) => {
+            let reason = "SlotMigrationRetried";
+            announce(ctx, vc, "scale_in", EventType::Warning, reason, &what).await;
+            Some(Progress::Retried(what))
+        }
         // Slots on their way to the shards that stay: no event per look.
         scale::ScaleIn::Waiting(what) => {
             info!(cluster = %name, "{what}");
-            return Ok(Action::requeue(Duration::from_secs(2)));
+            Some(Progress::Waiting(what))
         }
     };
-    if let Some((kind, reason, what)) = scaled {
-        announce(ctx, vc, "scale_in", kind, reason, &what).await;
-        return Ok(Action::requeue(Duration::from_secs(1)));
-    }
     // From here on, only the nodes the spec has.
     pods.nodes.retain(|n, _| nodes.contains(n));
     // Client IPs known only now that the pods run (their Kubernetes nodes' addresses).
@@ -200,17 +204,23 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             .collect(),
         timeouts: ctx.timeouts,
     };
-    let mut progress = formation::step(&plan).await?;
-    match &progress {
-        Progress::Acted(what) => {
-            announce(ctx, vc, "formation", EventType::Normal, "Formation", what).await;
+    let mut progress = match scaled_in {
+        Some(progress) => progress,
+        None => {
+            let progress = formation::step(&plan).await?;
+            match &progress {
+                Progress::Acted(what) => {
+                    announce(ctx, vc, "formation", EventType::Normal, "Formation", what).await;
+                }
+                Progress::Retried(what) => {
+                    let reason = "SlotMigrationRetried";
+                    announce(ctx, vc, "formation", EventType::Warning, reason, what).await;
+                }
+                _ => {}
+            }
+            progress
         }
-        Progress::Retried(what) => {
-            let reason = "SlotMigrationRetried";
-            announce(ctx, vc, "formation", EventType::Warning, reason, what).await;
-        }
-        _ => {}
-    }
+    };
     let stale: Vec<_> = nodes
         .iter()
         .filter(|n| {
@@ -267,7 +277,9 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     )
     .await?;
     if let Some(ready) = conditions.iter().find(|c| c.type_ == "Ready") {
-        if ready.status != was_ready {
+        // Not ready while scaling is what the user asked for: ScaleIn and Formation events
+        // tell it, not a warning.
+        if ready.status != was_ready && ready.reason != "Scaling" {
             let (kind, reason) = if ready.status {
                 (EventType::Normal, "Ready")
             } else {

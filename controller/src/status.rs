@@ -7,7 +7,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::ResourceExt;
 use serde_json::json;
-use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_crds::valkey_cluster::{Shape, ValkeyCluster};
 
 use crate::context::{Context, FIELD_MANAGER};
 use crate::error::Result;
@@ -155,6 +155,22 @@ fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Co
     }
 }
 
+/// The shape the cluster last formed whole with and the one the spec asks for, when they
+/// differ: the cluster is scaling.
+fn scaling(vc: &ValkeyCluster) -> Option<(Shape, Shape)> {
+    let formed = vc.status.as_ref()?.formed?;
+    let wanted = vc.spec.shape();
+    (formed != wanted && was_formed(vc)).then_some((formed, wanted))
+}
+
+/// `status.formed` after this step: the spec's shape once formed, else the last.
+fn formed_shape(vc: &ValkeyCluster, progress: &Progress) -> Option<Shape> {
+    match progress {
+        Progress::Formed(_) => Some(vc.spec.shape()),
+        _ => vc.status.as_ref().and_then(|s| s.formed),
+    }
+}
+
 /// The phase and the cluster's own conditions.
 fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Computed>) {
     let formed_before = was_formed(vc);
@@ -166,8 +182,8 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
         reason,
         message,
     };
-    match o.progress {
-        Progress::Formed(f) => {
+    match (o.progress, scaling(vc)) {
+        (Progress::Formed(f), _) => {
             let primaries = f.nodes.values().filter(|n| n.primary).count();
             let summary = format!(
                 "{} shards, {} nodes; all 16384 slots served; {primaries} primaries with their replicas",
@@ -210,7 +226,23 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
                 ],
             )
         }
-        Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what) => {
+        (
+            Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what),
+            Some((from, to)),
+        ) => {
+            // A change the user asked for, not a fault: not Degraded (the cluster keeps
+            // serving while its slots move), but not Ready for its spec until it has the
+            // new shape, so that waiting for Ready waits for the scale.
+            let message = format!("scaling from {from} to {to}: {what}");
+            let conditions = vec![
+                c("Ready", false, "Scaling", message.clone()),
+                c("ClusterFormed", true, "Formed", message.clone()),
+                c("Progressing", true, "Scaling", message.clone()),
+                c("Degraded", false, "Scaling", message),
+            ];
+            ("Scaling", conditions)
+        }
+        (Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what), None) => {
             let acting = !matches!(o.progress, Progress::Waiting(_));
             let (phase, reason) = match (formed_before, acting) {
                 (false, _) => ("Forming", "Forming"),
@@ -289,6 +321,10 @@ pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Resul
     }
     if let Some(r) = o.gateway {
         status["status"]["gateway"] = json!(r.status);
+    }
+    // Applied on every write, or it would go.
+    if let Some(formed) = formed_shape(vc, o.progress) {
+        status["status"]["formed"] = json!(formed);
     }
     let api: Api<ValkeyCluster> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
     api.patch_status(
@@ -418,5 +454,95 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(external(&vc, waiting()), (true, "EndpointsReady"));
+    }
+
+    /// A condition as the API server holds it.
+    fn held(type_: &str, status: &str) -> Condition {
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: "Earlier".into(),
+            message: String::new(),
+            observed_generation: None,
+            last_transition_time: Time(Timestamp::now()),
+        }
+    }
+
+    /// A spec that asks for another shape than the cluster formed with: Scaling, not
+    /// Degraded nor Ready (yet); the same step on a cluster of its spec's shape is healing.
+    /// Once formed again, the new shape is the formed one.
+    #[test]
+    fn a_new_shape_is_scaling_not_degradation() {
+        use shardgate_crds::valkey_cluster::ValkeyClusterStatus;
+        let pods = Pods {
+            nodes: Default::default(),
+            unlabelled: vec![],
+        };
+        let formed_as = |shards| {
+            ValkeyCluster::test("vc")
+                .shards(3)
+                .replicas(1)
+                .with_status(ValkeyClusterStatus {
+                    conditions: vec![held("ClusterFormed", "True"), held("Ready", "True")],
+                    formed: Some(Shape {
+                        shards,
+                        replicas: 1,
+                    }),
+                    ..Default::default()
+                })
+        };
+        let compute_for = |vc: &ValkeyCluster, progress: &Progress| {
+            let o = Observed {
+                progress,
+                pods: &pods,
+                desired_nodes: 6,
+                shards: 3,
+                rolling: 0,
+                external: None,
+                gateway: None,
+            };
+            let (phase, conditions) = compute(vc, &o);
+            let find = |t: &str| {
+                conditions
+                    .iter()
+                    .find(|c| c.type_ == t)
+                    .map(|c| (c.status, c.reason))
+            };
+            (
+                phase,
+                find("Ready"),
+                find("Progressing"),
+                find("Degraded"),
+                conditions[0].message.clone(),
+            )
+        };
+        let moving = Progress::Waiting("shard 3 goes; its slots are moving".into());
+        let (phase, ready, progressing, degraded, message) = compute_for(&formed_as(4), &moving);
+        assert_eq!(phase, "Scaling");
+        assert_eq!(ready, Some((false, "Scaling")));
+        assert_eq!(progressing, Some((true, "Scaling")));
+        assert_eq!(degraded, Some((false, "Scaling")));
+        assert_eq!(
+            message,
+            "scaling from 4 shards, 1 replica each to 3 shards, 1 replica each: \
+             shard 3 goes; its slots are moving"
+        );
+        // The spec's own shape: a step is healing.
+        let healing = Progress::Acted("forgot node 1234abcd".into());
+        let (phase, ready, _, degraded, _) = compute_for(&formed_as(3), &healing);
+        assert_eq!(phase, "Degraded");
+        assert_eq!(ready, Some((false, "Healing")));
+        assert_eq!(degraded, Some((true, "Healing")));
+        // What status keeps: the last formed shape until the cluster forms at the spec's.
+        let to_three = |shards| {
+            Some(Shape {
+                shards,
+                replicas: 1,
+            })
+        };
+        assert_eq!(formed_shape(&formed_as(4), &moving), to_three(4));
+        let formed = Progress::Formed(Default::default());
+        assert_eq!(formed_shape(&formed_as(4), &formed), to_three(3));
+        assert_eq!(formed_shape(&ValkeyCluster::test("vc"), &moving), None);
     }
 }

@@ -264,6 +264,34 @@ pub struct ValkeyClusterStatus {
     /// Gateway mode: the listeners the routes expect on the Gateway, and what it lacks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<GatewayRouting>,
+
+    /// The shape the cluster last formed whole with. While the spec asks for another, the
+    /// phase is Scaling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub formed: Option<Shape>,
+}
+
+/// A cluster's shape: its shards, and the replicas of each.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Shape {
+    pub shards: i32,
+    pub replicas: i32,
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let replicas = if self.replicas == 1 {
+            "replica"
+        } else {
+            "replicas"
+        };
+        write!(
+            f,
+            "{} shards, {} {replicas} each",
+            self.shards, self.replicas
+        )
+    }
 }
 
 /// `status.gateway`: the TCP listeners the routes need on the user's Gateway (the listeners
@@ -369,6 +397,14 @@ impl ValkeyClusterSpec {
         let shards = u32::try_from(self.shards).unwrap_or(0);
         let nodes = u32::try_from(self.replicas).map_or(0, |r| r.saturating_add(1));
         shards.saturating_mul(nodes)
+    }
+
+    /// The shape the spec asks for.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            shards: self.shards,
+            replicas: self.replicas,
+        }
     }
 
     /// The `externalAccess` block when it is enabled (a disabled block acts as if absent).

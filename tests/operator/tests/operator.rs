@@ -634,11 +634,74 @@ async fn set_spec(client: &Client, ns: &str, spec: serde_json::Value) -> Result<
     Ok(())
 }
 
+/// Every status "vc" is written with, from a watch: (phase, Ready, Progressing, Degraded),
+/// each condition as `status/reason`, and Progressing's message.
+type Statuses = std::sync::Arc<std::sync::Mutex<Vec<[String; 5]>>>;
+
+fn record_statuses(client: &Client, ns: &str) -> (Statuses, tokio::task::JoinHandle<()>) {
+    use futures_util::StreamExt;
+    use kube::runtime::watcher::{self, watcher, Event};
+    let seen = Statuses::default();
+    let api: Api<ValkeyCluster> = Api::namespaced(client.clone(), ns);
+    let config = watcher::Config::default().fields("metadata.name=vc");
+    let log = seen.clone();
+    let task = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(watcher(api, config));
+        while let Some(event) = stream.next().await {
+            let (Ok(Event::Apply(vc)) | Ok(Event::InitApply(vc))) = event else {
+                continue;
+            };
+            let cond = |t| condition(&vc, t).map(|(s, r, _)| format!("{s}/{r}"));
+            let phase = vc
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .map(|p| p.to_string());
+            let progressing = condition(&vc, "Progressing").map(|c| c.2);
+            let row = [
+                phase,
+                cond("Ready"),
+                cond("Progressing"),
+                cond("Degraded"),
+                progressing,
+            ]
+            .map(Option::unwrap_or_default);
+            log.lock().unwrap_or_else(|p| p.into_inner()).push(row);
+        }
+    });
+    (seen, task)
+}
+
+/// The statuses written since `from` (an index into the log) show a scale: phase Scaling
+/// with Progressing's message naming `what` (and the shapes), and never a fault (Degraded,
+/// healing, waiting): what a user scaling a healthy cluster should read. Returns the new
+/// end of the log.
+fn scaled_visibly(seen: &Statuses, from: usize, what: &str) -> Result<usize> {
+    let log = seen.lock().unwrap_or_else(|p| p.into_inner());
+    let rows = &log[from..];
+    let scaling: Vec<_> = rows.iter().filter(|r| r[0] == "Scaling").collect();
+    ensure!(
+        scaling.iter().any(|r| r[2] == "True/Scaling"
+            && r[4].contains(what)
+            && r[4].contains("scaling from")),
+        "no status said Scaling with {what:?}: {rows:#?}"
+    );
+    for r in rows {
+        ensure!(
+            !r[3].starts_with("True") && r[1] != "False/Healing" && r[1] != "False/Waiting",
+            "a status during the scale reads as a fault: {r:?}"
+        );
+    }
+    Ok(log.len())
+}
+
 async fn scaling(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, .. } = env;
     let operator = Operator::start(&client, &ns);
     create(&client, &ns, &cluster("vc", 3, 1)?).await?;
     wait_ready(&client, &ns, "vc", FORM).await?;
+    let (statuses, recorder) = record_statuses(&client, &ns);
+    let mark = statuses.lock().unwrap_or_else(|p| p.into_inner()).len();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
     let writes = writer(conn, "scale", stop.clone());
@@ -659,6 +722,7 @@ async fn scaling(env: TestEnv) -> Result<()> {
     .await?;
     wait_ready(&client, &ns, "vc", FORM).await?;
     eprintln!("shards 3 -> 4 rebalanced in {:?}", started.elapsed());
+    let mark = scaled_visibly(&statuses, mark, "to 4 shards, 1 replica each")?;
 
     // Replicas 1 -> 2 -> 1.
     set_spec(&client, &ns, json!({ "replicas": 2 })).await?;
@@ -668,6 +732,7 @@ async fn scaling(env: TestEnv) -> Result<()> {
     })
     .await?;
     wait_ready(&client, &ns, "vc", FORM).await?;
+    let mark = scaled_visibly(&statuses, mark, "to 4 shards, 2 replicas each")?;
     set_spec(&client, &ns, json!({ "replicas": 1 })).await?;
     eventually(
         "back to 8 nodes that know only each other",
@@ -680,6 +745,7 @@ async fn scaling(env: TestEnv) -> Result<()> {
     )
     .await?;
     ready_with_statefulsets(&client, &ns, 8).await?;
+    let mark = scaled_visibly(&statuses, mark, "replicas went down")?;
 
     // Shards 4 -> 3: shard 3's slots move to the shards that stay (keys with them), then
     // its nodes go, and the slots end where a 3-shard cluster starts them.
@@ -699,6 +765,9 @@ async fn scaling(env: TestEnv) -> Result<()> {
     .await?;
     ready_with_statefulsets(&client, &ns, 6).await?;
     eprintln!("shards 4 -> 3 in {:?}", started.elapsed());
+    // Scaling in: the migration's own steps are in the status too, not only in events.
+    scaled_visibly(&statuses, mark, "shard 3 goes")?;
+    recorder.abort();
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (acked, errors) = writes.await?;
