@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::ResourceExt;
-use shardgate_admin_client::Client;
+use shardgate_admin_client::{Client, NodeLine};
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
@@ -121,12 +121,57 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
     Ok(ScaleIn::Done)
 }
 
+/// Whether every slot is served by a node that answers, in the view of each node that
+/// does: `views`, of the shard's nodes (`asked`) that answered, and those of every other
+/// node, asked here (another shard that goes may still hold its slots). A node that
+/// answered none of them may then go without a slot lost.
+async fn served_by_answering(
+    ctx: &Context,
+    pods: &Pods,
+    asked: &[NodeRef],
+    mut views: Vec<Vec<NodeLine>>,
+) -> bool {
+    for pod in pods
+        .nodes
+        .iter()
+        .filter(|(n, _)| !asked.contains(n))
+        .map(|(_, p)| p)
+    {
+        let Some(addr) = pod.addr else { continue };
+        let view = async {
+            let mut c = Client::connect(addr, ctx.timeouts).await?;
+            c.cluster_nodes().await
+        };
+        if let Ok(view) = view.await {
+            views.push(view);
+        }
+    }
+    all_served_by_answering(&views)
+}
+
+/// Whether, in every one of `views` (of the nodes that answered), each primary that
+/// serves slots is one of them.
+fn all_served_by_answering(views: &[Vec<NodeLine>]) -> bool {
+    let answering: Vec<&str> = views
+        .iter()
+        .filter_map(|v| v.iter().find(|l| l.is_myself()))
+        .map(|l| l.id.as_str())
+        .collect();
+    let serves = |l: &NodeLine| l.is_primary() && !l.slots.is_empty();
+    !answering.is_empty()
+        && views
+            .iter()
+            .flatten()
+            .all(|l| !serves(l) || answering.contains(&l.id.as_str()))
+}
+
 /// Moves the slots of `shard`, which goes, to the `shards` that stay: each range to the
 /// shard whose initial range holds it, as formation places slots after a scale-out (one
 /// `CLUSTER MIGRATESLOTS` on its primary, a `SLOTSRANGE ... NODE` group per destination).
-/// `Done` only once every node of the shard (`leaving`, from its StatefulSets) has a pod
-/// that answered and none of them serves a slot: a node that did not answer may hold
-/// slots, and removing it would drop them.
+/// `Done` once no node of the shard (`leaving`, from its StatefulSets) serves a slot: by
+/// its own word for those that answer; for one that does not (down, or a pod not
+/// scheduled), only when every answering node's view has every slot served by answering
+/// nodes (a node that did not answer may hold slots, and removing it would drop them).
 async fn drain_shard(
     ctx: &Context,
     pods: &Pods,
@@ -141,31 +186,32 @@ async fn drain_shard(
     // crash-looping replica, say) does not stop the one that does.
     let mut source = None;
     let mut unanswered = Vec::new();
+    let mut views = Vec::new();
     for &node in leaving {
         let Some(addr) = pods.nodes.get(&node).and_then(|p| p.addr) else {
             unanswered.push(node);
             continue;
         };
-        let me = async {
+        let view = async {
             let mut client = Client::connect(addr, ctx.timeouts).await?;
-            let me = client
-                .cluster_nodes()
-                .await?
-                .into_iter()
-                .find(|l| l.is_myself());
-            Ok::<_, shardgate_admin_client::Error>((client, me))
+            let view = client.cluster_nodes().await?;
+            Ok::<_, shardgate_admin_client::Error>((client, view))
         };
-        match me.await {
-            Ok((client, Some(me))) if me.is_primary() && !me.slots.is_empty() => {
-                source = Some((node, addr, client, me.slots));
+        let Ok((client, view)) = view.await else {
+            unanswered.push(node);
+            continue;
+        };
+        match view.iter().find(|l| l.is_myself()) {
+            Some(me) if me.is_primary() && !me.slots.is_empty() => {
+                source = Some((node, addr, client, me.slots.clone()));
                 break;
             }
-            Ok((_, Some(_))) => {}
-            Ok((_, None)) | Err(_) => unanswered.push(node),
+            Some(_) => views.push(view),
+            None => unanswered.push(node),
         }
     }
     let Some((node, addr, mut client, slots)) = source else {
-        if !unanswered.is_empty() {
+        if !unanswered.is_empty() && !served_by_answering(ctx, pods, leaving, views).await {
             let names: Vec<String> = unanswered.iter().map(NodeRef::to_string).collect();
             return Ok(ScaleIn::Waiting(format!(
                 "shard {shard} goes; waiting for node(s) {} to answer before removing it \
@@ -248,4 +294,52 @@ async fn drain_shard(
         None => ScaleIn::Acted(what),
         Some(failed) => ScaleIn::Retried(format!("{what} again: {failed}")),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardgate_admin_client::parse_nodes;
+
+    /// Nodes a, b answer; c does not. `myself` marks whose view it is.
+    fn view(me: &str, c_line: &str) -> Vec<NodeLine> {
+        let lines = [
+            "a 10.0.0.1:6379@16379 master - 0 0 1 connected 0-8191",
+            "b 10.0.0.2:6379@16379 master - 0 0 2 connected 8192-16383",
+            c_line,
+        ]
+        .map(|l| {
+            if l.starts_with(me) {
+                l.replacen(" master", " myself,master", 1)
+            } else {
+                l.to_string()
+            }
+        });
+        parse_nodes(&lines.join("\n")).expect("hand-written CLUSTER NODES")
+    }
+
+    #[test]
+    fn a_silent_node_may_go_only_when_answering_nodes_serve_every_slot() {
+        let replica = "c 10.0.0.3:6379@16379 slave,fail b 0 0 2 disconnected";
+        assert!(all_served_by_answering(&[
+            view("a", replica),
+            view("b", replica)
+        ]));
+        // It serves slots by one view (a failover the other has not heard of): it stays.
+        let primary = "c 10.0.0.3:6379@16379 master,fail - 0 0 3 disconnected 100-200";
+        assert!(!all_served_by_answering(&[
+            view("a", replica),
+            view("b", primary)
+        ]));
+        // An empty primary holds nothing.
+        let empty = "c 10.0.0.3:6379@16379 master - 0 0 3 connected";
+        assert!(all_served_by_answering(&[
+            view("a", empty),
+            view("b", empty)
+        ]));
+        // A primary serving slots that did not answer (b, here only in a's view) stays.
+        assert!(!all_served_by_answering(&[view("a", empty)]));
+        // No view: nothing known.
+        assert!(!all_served_by_answering(&[]));
+    }
 }

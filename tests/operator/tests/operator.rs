@@ -64,6 +64,10 @@ fn main() -> ExitCode {
             scaling,
         )
         .test(
+            "shards_4_to_3_with_a_leaving_node_down_goes_on_and_loses_no_key",
+            scale_in_past_a_down_node,
+        )
+        .test(
             "an_idle_cluster_costs_few_reconciles_and_no_writes_over_a_minute",
             idle_minute,
         )
@@ -790,6 +794,52 @@ async fn scaling(env: TestEnv) -> Result<()> {
         "scaling: {} writes acknowledged, {errors} failed, none lost",
         acked.len()
     );
+    operator.stop().await;
+    Ok(())
+}
+
+/// A node of the shard that goes is down (a replica whose process is gone) when the spec
+/// asks for fewer shards: the slots move from its primary, and the shard goes all the same,
+/// since every answering node's view has every slot served by a node that answers. Nothing
+/// written before is lost.
+async fn scale_in_past_a_down_node(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, cp } = env;
+    let operator = Operator::start(&client, &ns);
+    create(&client, &ns, &cluster("vc", 4, 1)?).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    let addrs = pod_addrs(&client, &ns, "vc").await?;
+    let mut conn = cluster_client(addrs.values().copied()).await?;
+    let keys = spread_keys(2_000, "down");
+    for k in &keys {
+        let _: () = conn.set(k, k).await?;
+    }
+    let (down, _) = views(&addrs)
+        .await?
+        .into_iter()
+        .find(|(n, l)| n.shard.0 == 3 && !l.is_primary())
+        .context("shard 3's replica")?;
+    let pod = format!("{}-0", objects::node("vc", down));
+    cp.agent().fault(&ns, &pod, Fault::Stop).await?;
+
+    set_spec(&client, &ns, json!({ "shards": 3 })).await?;
+    eventually(
+        "3 shards of 5461, 5462 and 5461 slots, 6 nodes that know only each other",
+        FORM,
+        || async {
+            let addrs = pod_addrs(&client, &ns, "vc").await?;
+            ensure!(addrs.len() == 6, "{} pods", addrs.len());
+            let counts = slots_per_primary(&addrs).await?;
+            ensure!(counts == [5461, 5461, 5462], "slots per primary {counts:?}");
+            know_only_each_other(&addrs).await
+        },
+    )
+    .await?;
+    ready_with_statefulsets(&client, &ns, 6).await?;
+    let mut conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
+    for k in &keys {
+        let v: Option<String> = conn.get(k).await?;
+        ensure!(v.as_deref() == Some(k.as_str()), "{k} read back {v:?}");
+    }
     operator.stop().await;
     Ok(())
 }
