@@ -56,6 +56,10 @@ pub enum Expect {
     /// MULTI, taken as started when sent: an error in its place (an ACL rule, a missing
     /// AUTH) says that it did not start, and the commands sent after it run one by one.
     Multi,
+    /// A command queued in a transaction: `+QUEUED`, or an error (then EXEC aborts). Any
+    /// other reply says that the transaction never started (a MULTI refused with its
+    /// reply skipped): the command ran, and the pairing gives up before its reply goes out.
+    Queued,
     /// EXEC whose transaction holds topology commands: what each queued command's reply
     /// is, in order, run-length encoded (every command that is not topology is `Other`, so
     /// a transaction of a million GETs and one CLUSTER SLOTS is two runs).
@@ -93,8 +97,9 @@ pub enum Lost {
     /// serves, a channel its ACL user may not use), and then the confirmations that come
     /// could be either's, which nothing followed here tells apart.
     SubscribeAfterQuietSubscribe,
-    /// MULTI refused (an ACL rule, a missing AUTH) with commands already sent behind it:
-    /// they were taken as queued, and run one by one instead (a subscribe, a CLIENT REPLY,
+    /// MULTI refused (an ACL rule, a missing AUTH) with commands already sent behind it, or
+    /// with its reply skipped (seen when a queued command's reply is not `+QUEUED`): they
+    /// were taken as queued, and run one by one instead (a subscribe, a CLIENT REPLY,
     /// another MULTI would then change what later replies are).
     MultiRefused,
 }
@@ -114,7 +119,7 @@ impl Lost {
             Lost::SubscribeAfterQuietSubscribe => {
                 "a subscribe command right behind one sent with CLIENT REPLY OFF or SKIP"
             }
-            Lost::MultiRefused => "MULTI refused with commands sent behind it as if queued",
+            Lost::MultiRefused => "MULTI refused, with commands sent behind it as if queued",
         }
     }
 }
@@ -132,6 +137,7 @@ impl Expect {
                 | Expect::ExecProtocol(_)
                 | Expect::Hello
                 | Expect::Multi
+                | Expect::Queued
         )
     }
 
@@ -510,7 +516,12 @@ impl Pairing {
                     // command refused here (an error) aborts the EXEC, so that the queued
                     // list only has to be right when every command was queued.
                     self.queue_in_transaction(expect);
-                    self.push(Expect::Other);
+                    // QUIT is not queued: Valkey answers `+OK` and closes.
+                    self.push(if name == b"quit" {
+                        Expect::Other
+                    } else {
+                        Expect::Queued
+                    });
                 }
             }
             return;
@@ -609,6 +620,32 @@ impl Pairing {
         })
     }
 
+    /// [`Pairing::lost`], or lost at the reply frame that starts with type byte `ty`,
+    /// before any of its bytes go out: a frame that no command waits for and that cannot
+    /// come unasked (it would go out unpaired, and may be a topology reply to a command
+    /// Valkey ran although the pairing took it as skipped, say a `CLIENT REPLY SKIP` that
+    /// an ACL refused), or anything but `+QUEUED`, an error or a push where a queued
+    /// command's reply is due (the transaction never started).
+    pub fn lost_at(&self, ty: u8) -> Option<Lost> {
+        if let Some(lost) = self.lost() {
+            return Some(lost);
+        }
+        // Errors: Valkey's protocol error and its refusal of a connection come unasked.
+        let unasked = match ty {
+            b'-' | b'>' => true,
+            b'+' => self.monitor,
+            b'*' => !self.resp3 && self.subscribed,
+            _ => false,
+        };
+        match self.front() {
+            None if !unasked => Some(Lost::UnpairedReply),
+            Some(Expect::Queued) if !matches!(ty, b'+' | b'-' | b'>') => {
+                Some(Lost::MultiRefused)
+            }
+            _ => None,
+        }
+    }
+
     /// Whether the connection may be subscribed when Valkey reads the next command: it is,
     /// or a subscribe command is still waiting for its confirmations.
     fn maybe_subscribed(&self) -> bool {
@@ -659,6 +696,8 @@ impl Pairing {
         let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
         match ty {
             b'-' => true,
+            // Held to be read: `+QUEUED`, or the transaction did not start.
+            b'+' if self.next_in_band() == Some(&Expect::Queued) => true,
             // A push is out of band, but a subscribe waits for its confirmations in pushes.
             b'>' => pubsub_front,
             b'*' if !self.resp3 && (self.subscribed || pubsub_front) => true,
@@ -860,16 +899,18 @@ impl Pairing {
         while matches!(self.front(), Some(Expect::PubSub { .. })) {
             self.pop();
         }
+        // Valkey's answer to input it rejected, after which it closes: it answers no command
+        // (the MULTI behind the rejected input never ran).
+        let protocol_error = matches!(
+            frame,
+            Some(Frame::Error(e)) if e.starts_with(b"ERR Protocol error")
+        );
         let expect = match self.pop() {
             Some(e) => e,
             None => {
-                // Valkey's answer to input it rejected (a protocol error, after which it
-                // closes), or its refusal of a connection before any command, is an error
-                // no command waits for; anything else is a reply this pairing cannot place.
-                let protocol_error = matches!(
-                    frame,
-                    Some(Frame::Error(e)) if e.starts_with(b"ERR Protocol error")
-                );
+                // Valkey's answer to input it rejected, or its refusal of a connection
+                // before any command, is an error no command waits for; anything else is a
+                // reply this pairing cannot place.
                 if !(self.rejected || protocol_error || (ty == b'-' && !self.requested)) {
                     self.lost.get_or_insert(Lost::UnpairedReply);
                 }
@@ -885,7 +926,13 @@ impl Pairing {
             Expect::Reset => self.reset_replies(),
             Expect::Hello if ty == b'%' => self.resp3 = true,
             Expect::Hello if ty == b'*' => self.resp3 = false,
-            Expect::Multi if ty == b'-' => self.multi_refused(),
+            Expect::Multi if ty == b'-' && !protocol_error => self.multi_refused(),
+            Expect::Queued if ty == b'+' => {
+                let queued = matches!(frame, Some(Frame::Simple(l)) if l.as_ref() == b"QUEUED");
+                if !queued {
+                    self.lost.get_or_insert(Lost::MultiRefused);
+                }
+            }
             _ => {}
         }
         Answer::InBand(expect)
@@ -1325,6 +1372,42 @@ pub(crate) mod tests {
         assert_eq!(got, [None, None, Some(Lost::MultiRefused)]);
         let got = lost_after(b"MULTI\r\nDISCARD\r\n", &[refused]);
         assert_eq!(got, [None, Some(Lost::MultiRefused)]);
+        // Found by the differential fuzzer: input Valkey rejects before MULTI. Its protocol
+        // error answers no command (Valkey closes), MULTI never ran: not a refusal.
+        let got = lost_after(
+            b"GET 'a\r\nMULTI\r\nCLUSTER NODES\r\n",
+            &[b"-ERR Protocol error: unbalanced quotes in request\r\n"],
+        );
+        assert_eq!(got, [None, None]);
+    }
+
+    /// Where no command waits, only what Valkey sends unasked is let through (an error: its
+    /// protocol error or a refused connection; a push; a monitor line; a RESP2 pub/sub
+    /// message); where a queued command's reply is due, only `+QUEUED`, an error or a push.
+    #[test]
+    fn a_frame_no_command_can_answer_is_lost_before_it_goes_out() {
+        let mut p = Pairing::new(true);
+        for ty in [b'-', b'>'] {
+            assert_eq!(p.lost_at(ty), None);
+        }
+        for ty in [b'$', b'*', b':', b'%', b'+'] {
+            assert_eq!(p.lost_at(ty), Some(Lost::UnpairedReply), "{}", ty as char);
+        }
+        let mut s = RequestScanner::default();
+        s.feed(b"MULTI\r\nGET a\r\n", |c| p.on_request(c)).unwrap();
+        p.on_reply(b'+', Some(&Frame::Simple(b"OK"[..].into())));
+        for ty in [b'+', b'-', b'>'] {
+            assert_eq!(p.lost_at(ty), None);
+        }
+        for ty in [b'$', b'*', b':'] {
+            assert_eq!(p.lost_at(ty), Some(Lost::MultiRefused), "{}", ty as char);
+        }
+        assert!(p.capture(b'+'));
+        p.on_reply(b'+', Some(&Frame::Simple(b"OK"[..].into())));
+        assert_eq!(p.lost(), Some(Lost::MultiRefused));
+        // QUIT in a transaction runs at once (`+OK`, then Valkey closes): not lost.
+        let got = lost_after(b"MULTI\r\nGET a\r\nQUIT\r\n", &[b"+OK\r\n", b"+QUEUED\r\n", b"+OK\r\n"]);
+        assert!(got.iter().all(Option::is_none), "{got:?}");
     }
 
     /// Found by the differential fuzzer: a MULTI whose reply is skipped or off still starts
@@ -1336,7 +1419,7 @@ pub(crate) mod tests {
             b"CLIENT REPLY SKIP\r\nMULTI\r\nCLUSTER SLOTS\r\nEXEC\r\nCLUSTER NODES\r\n",
             &[b"+QUEUED\r\n", b"*1\r\n*0\r\n", b"$0\r\n\r\n"],
         );
-        assert_eq!(got[0], InBand(Expect::Other), "{got:?}");
+        assert_eq!(got[0], InBand(Expect::Queued), "{got:?}");
         assert!(matches!(got[1], InBand(Expect::Exec(_))), "{got:?}");
         assert_eq!(got[2], InBand(Expect::ClusterNodes), "{got:?}");
         // Off: CLIENT REPLY ON inside the transaction is refused (silently), the quiet EXEC

@@ -200,6 +200,7 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
         | Expect::ExecProtocol(_)
         | Expect::Lost(_)
         | Expect::Hello
-        | Expect::Multi => {}
+        | Expect::Multi
+        | Expect::Queued => {}
     }
 }

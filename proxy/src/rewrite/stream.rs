@@ -259,7 +259,7 @@ impl ReplySide {
         }
         while i < input.len() {
             if !self.scanner.in_frame() {
-                if let Some(lost) = pairing.lost() {
+                if let Some(lost) = pairing.lost_at(input[i]) {
                     emit(out, pending..i);
                     self.give_up(lost, out);
                     return Ok(());
@@ -958,6 +958,39 @@ mod tests {
         let e = through_in_pieces(b"CLUSTER NODES\r\n", &nodes, small(), 100).unwrap_err();
         assert_eq!(e, RespError::FrameTooLarge(4096));
         assert!(e.is_limit());
+    }
+
+    /// A reply that the pairing cannot place is never sent: the error line goes out in its
+    /// place. Both are bytes Valkey 9.1 sends to a user whose ACL lacks the command: a MULTI
+    /// refused with its reply skipped (the next command's reply is not `+QUEUED`), and a
+    /// refused `CLIENT REPLY SKIP` (its error taken as the next command's reply, the skipped
+    /// one's then comes with nothing waiting).
+    #[test]
+    fn a_reply_the_pairing_cannot_place_never_goes_out() {
+        let nodes = bulk(b"e7d1 10.0.0.1:6379@16379 myself,master - 0 0 1 connected 0-16383\n");
+        let line = |why: &str| {
+            format!("-ERR shardgate-proxy lost track of which reply answers which command ({why}); closing the connection\r\n")
+        };
+        let refused = "MULTI refused, with commands sent behind it as if queued";
+        for piece in [1, 7, 1000] {
+            let requests = b"CLIENT REPLY SKIP\r\nMULTI\r\nCLUSTER NODES\r\nEXEC\r\n";
+            let replies = [&nodes[..], b"-ERR EXEC without MULTI\r\n"].concat();
+            let (out, ..) = through_in_pieces(requests, &replies, small(), piece).unwrap();
+            assert_eq!(String::from_utf8_lossy(&out), line(refused), "piece {piece}");
+            // A command that answers a status line: it goes out (no address in it), and
+            // the pairing gives up behind it.
+            let requests = b"CLIENT REPLY SKIP\r\nMULTI\r\nSET k v\r\nCLUSTER NODES\r\n";
+            let replies = [&b"+OK\r\n"[..], &nodes].concat();
+            let (out, ..) = through_in_pieces(requests, &replies, small(), piece).unwrap();
+            let want = format!("+OK\r\n{}", line(refused));
+            assert_eq!(String::from_utf8_lossy(&out), want, "piece {piece}");
+            let requests = b"CLIENT REPLY SKIP\r\nCLUSTER NODES\r\nGET k\r\n";
+            let noperm = &b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n"[..];
+            let replies = [noperm, &nodes, b"$-1\r\n"].concat();
+            let (out, ..) = through_in_pieces(requests, &replies, small(), piece).unwrap();
+            let want = [noperm, line("a reply came that no command was waiting for").as_bytes()].concat();
+            assert_eq!(out.escape_ascii().to_string(), want.escape_ascii().to_string());
+        }
     }
 
     #[test]
