@@ -19,7 +19,7 @@ use crate::objects::{cluster_selector, namespace};
 use crate::statefulset::CONFIG_HASH;
 
 /// One node's pod.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NodePod {
     pub name: String,
     /// Where its Valkey listens, once it has an IP.

@@ -204,6 +204,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             .collect(),
         timeouts: ctx.timeouts,
     };
+    let scaling_in = scaled_in.is_some();
     let mut progress = match scaled_in {
         Some(progress) => progress,
         None => {
@@ -221,6 +222,8 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             progress
         }
     };
+    // Before a rolling step takes its place: formation found the cluster whole.
+    let formed_now = matches!(progress, Progress::Formed(_));
     let stale: Vec<_> = nodes
         .iter()
         .filter(|n| {
@@ -273,6 +276,8 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             rolling: stale.len(),
             external: external.as_ref(),
             gateway: routing.as_ref(),
+            scaling_in,
+            formed_now,
         },
     )
     .await?;

@@ -149,8 +149,8 @@ async fn served_by_answering(
     all_served_by_answering(&views)
 }
 
-/// Whether, in every one of `views` (of the nodes that answered), each primary that
-/// serves slots is one of them.
+/// Whether, in every one of `views` (of the nodes that answered), all 16384 slots are
+/// served, each by a primary that is one of them.
 fn all_served_by_answering(views: &[Vec<NodeLine>]) -> bool {
     let answering: Vec<&str> = views
         .iter()
@@ -158,7 +158,17 @@ fn all_served_by_answering(views: &[Vec<NodeLine>]) -> bool {
         .map(|l| l.id.as_str())
         .collect();
     let serves = |l: &NodeLine| l.is_primary() && !l.slots.is_empty();
+    let covered = |view: &Vec<NodeLine>| {
+        let mut slots = vec![false; 16384];
+        for &(a, b) in view.iter().filter(|l| serves(l)).flat_map(|l| &l.slots) {
+            for s in a..=b.min(16383) {
+                slots[usize::from(s)] = true;
+            }
+        }
+        slots.iter().all(|&s| s)
+    };
     !answering.is_empty()
+        && views.iter().all(covered)
         && views
             .iter()
             .flatten()
@@ -214,8 +224,8 @@ async fn drain_shard(
         if !unanswered.is_empty() && !served_by_answering(ctx, pods, leaving, views).await {
             let names: Vec<String> = unanswered.iter().map(NodeRef::to_string).collect();
             return Ok(ScaleIn::Waiting(format!(
-                "shard {shard} goes; waiting for node(s) {} to answer before removing it \
-                 (a node that does not may still hold slots)",
+                "shard {shard} goes; node(s) {} do not answer and may still hold slots: \
+                 waiting for them, or for every slot to be served by nodes that answer",
                 names.join(", ")
             )));
         }
@@ -341,5 +351,9 @@ mod tests {
         assert!(!all_served_by_answering(&[view("a", empty)]));
         // No view: nothing known.
         assert!(!all_served_by_answering(&[]));
+        // A slot no view has served (its holder forgotten, say) may be the silent node's.
+        let mut gap = view("a", replica);
+        gap[0].slots = vec![(0, 99), (101, 8191)];
+        assert!(!all_served_by_answering(&[gap, view("b", replica)]));
     }
 }

@@ -8,6 +8,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::ResourceExt;
 use serde_json::json;
 use shardgate_crds::valkey_cluster::{Shape, ValkeyCluster};
+use shardgate_crds::NodeRef;
 
 use crate::context::{Context, FIELD_MANAGER};
 use crate::error::Result;
@@ -29,6 +30,10 @@ pub struct Observed<'a> {
     pub external: Option<&'a External>,
     /// Gateway mode: what the Gateway has (`None`: no gateway, and not reported).
     pub gateway: Option<&'a Routing>,
+    /// Nodes the spec no longer has are leaving (`progress` is scale-in's).
+    pub scaling_in: bool,
+    /// Formation found the cluster whole this time (before a rolling restart's step).
+    pub formed_now: bool,
 }
 
 /// A condition as computed, before its transition time is settled.
@@ -155,20 +160,34 @@ fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Co
     }
 }
 
-/// The shape the cluster last formed whole with and the one the spec asks for, when they
-/// differ: the cluster is scaling.
-fn scaling(vc: &ValkeyCluster) -> Option<(Shape, Shape)> {
-    let formed = vc.status.as_ref()?.formed?;
+/// The shape the cluster last formed whole with and the one the spec asks for, while the
+/// cluster, formed before, is on its way from one to the other: they differ, or nodes
+/// are leaving (a scale-out undone before it formed).
+fn scaling(vc: &ValkeyCluster, scaling_in: bool) -> Option<(Shape, Shape)> {
+    if !was_formed(vc) {
+        return None;
+    }
     let wanted = vc.spec.shape();
-    (formed != wanted && was_formed(vc)).then_some((formed, wanted))
+    match vc.status.as_ref().and_then(|s| s.formed) {
+        Some(formed) if formed != wanted => Some((formed, wanted)),
+        formed if scaling_in => Some((formed.unwrap_or(wanted), wanted)),
+        _ => None,
+    }
+}
+
+/// The nodes of both shapes (a fault, not the scale, if one is not ready).
+fn kept_nodes(from: Shape, to: Shape) -> impl Iterator<Item = NodeRef> {
+    let shards = u32::try_from(from.shards.min(to.shards)).unwrap_or(0);
+    let nodes = u32::try_from(from.replicas.min(to.replicas)).map_or(0, |r| r + 1);
+    (0..shards).flat_map(move |s| (0..nodes).map(move |n| NodeRef::new(s, n)))
 }
 
 /// `status.formed` after this step: the spec's shape once formed, else the last.
-fn formed_shape(vc: &ValkeyCluster, progress: &Progress) -> Option<Shape> {
-    match progress {
-        Progress::Formed(_) => Some(vc.spec.shape()),
-        _ => vc.status.as_ref().and_then(|s| s.formed),
+fn formed_shape(vc: &ValkeyCluster, formed_now: bool) -> Option<Shape> {
+    if formed_now {
+        return Some(vc.spec.shape());
     }
+    vc.status.as_ref().and_then(|s| s.formed)
 }
 
 /// The phase and the cluster's own conditions.
@@ -182,7 +201,7 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
         reason,
         message,
     };
-    match (o.progress, scaling(vc)) {
+    match (o.progress, scaling(vc, o.scaling_in)) {
         (Progress::Formed(f), _) => {
             let primaries = f.nodes.values().filter(|n| n.primary).count();
             let summary = format!(
@@ -232,8 +251,27 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
         ) => {
             // A change the user asked for, not a fault: not Degraded (the cluster keeps
             // serving while its slots move), but not Ready for its spec until it has the
-            // new shape, so that waiting for Ready waits for the scale.
-            let message = format!("scaling from {from} to {to}: {what}");
+            // new shape, so that waiting for Ready waits for the scale. A node of both
+            // shapes that is not ready is a fault all the same.
+            let message = if from == to {
+                format!("scaling to {to}: {what}")
+            } else {
+                format!("scaling from {from} to {to}: {what}")
+            };
+            let down: Vec<String> = kept_nodes(from, to)
+                .filter(|n| !o.pods.nodes.get(n).is_some_and(|p| p.ready))
+                .map(|n| n.to_string())
+                .collect();
+            if !down.is_empty() {
+                let fault = format!("{message}; node(s) {} not ready", down.join(", "));
+                let conditions = vec![
+                    c("Ready", false, "PodsNotReady", fault.clone()),
+                    c("ClusterFormed", true, "Formed", message.clone()),
+                    c("Progressing", true, "Scaling", message),
+                    c("Degraded", true, "PodsNotReady", fault),
+                ];
+                return ("Degraded", conditions);
+            }
             let conditions = vec![
                 c("Ready", false, "Scaling", message.clone()),
                 c("ClusterFormed", true, "Formed", message.clone()),
@@ -323,7 +361,7 @@ pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Resul
         status["status"]["gateway"] = json!(r.status);
     }
     // Applied on every write, or it would go.
-    if let Some(formed) = formed_shape(vc, o.progress) {
+    if let Some(formed) = formed_shape(vc, o.formed_now) {
         status["status"]["formed"] = json!(formed);
     }
     let api: Api<ValkeyCluster> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
@@ -427,6 +465,8 @@ mod tests {
                 rolling: 0,
                 external: Some(&ext),
                 gateway: None,
+                scaling_in: false,
+                formed_now: false,
             };
             let (_, conditions) = compute(vc, &o);
             let c = conditions
@@ -469,13 +509,26 @@ mod tests {
     }
 
     /// A spec that asks for another shape than the cluster formed with: Scaling, not
-    /// Degraded nor Ready (yet); the same step on a cluster of its spec's shape is healing.
-    /// Once formed again, the new shape is the formed one.
+    /// Degraded nor Ready (yet); the same step on a cluster of its spec's shape is healing,
+    /// unless nodes are leaving it (a scale-out undone). A node of both shapes that is not
+    /// ready is a fault while scaling too. Once formed again, the new shape is the formed
+    /// one.
     #[test]
     fn a_new_shape_is_scaling_not_degradation() {
+        use crate::pods::NodePod;
         use shardgate_crds::valkey_cluster::ValkeyClusterStatus;
-        let pods = Pods {
-            nodes: Default::default(),
+        // Every node of 3 shards x 1 replica ready, but `down`.
+        let pods = |down: Option<NodeRef>| Pods {
+            nodes: (0..3)
+                .flat_map(|s| (0..2).map(move |n| NodeRef::new(s, n)))
+                .map(|n| {
+                    let pod = NodePod {
+                        ready: Some(n) != down,
+                        ..NodePod::default()
+                    };
+                    (n, pod)
+                })
+                .collect(),
             unlabelled: vec![],
         };
         let formed_as = |shards| {
@@ -491,15 +544,17 @@ mod tests {
                     ..Default::default()
                 })
         };
-        let compute_for = |vc: &ValkeyCluster, progress: &Progress| {
+        let compute_for = |vc: &ValkeyCluster, progress: &Progress, scaling_in, pods: &Pods| {
             let o = Observed {
                 progress,
-                pods: &pods,
+                pods,
                 desired_nodes: 6,
                 shards: 3,
                 rolling: 0,
                 external: None,
                 gateway: None,
+                scaling_in,
+                formed_now: false,
             };
             let (phase, conditions) = compute(vc, &o);
             let find = |t: &str| {
@@ -516,8 +571,10 @@ mod tests {
                 conditions[0].message.clone(),
             )
         };
+        let all_up = pods(None);
         let moving = Progress::Waiting("shard 3 goes; its slots are moving".into());
-        let (phase, ready, progressing, degraded, message) = compute_for(&formed_as(4), &moving);
+        let (phase, ready, progressing, degraded, message) =
+            compute_for(&formed_as(4), &moving, true, &all_up);
         assert_eq!(phase, "Scaling");
         assert_eq!(ready, Some((false, "Scaling")));
         assert_eq!(progressing, Some((true, "Scaling")));
@@ -527,12 +584,35 @@ mod tests {
             "scaling from 4 shards, 1 replica each to 3 shards, 1 replica each: \
              shard 3 goes; its slots are moving"
         );
-        // The spec's own shape: a step is healing.
+        // A node that stays is down meanwhile: a fault, said as one.
+        let one_down = pods(Some(NodeRef::new(1, 1)));
+        let (phase, ready, progressing, degraded, message) =
+            compute_for(&formed_as(4), &moving, true, &one_down);
+        assert_eq!(phase, "Degraded");
+        assert_eq!(ready, Some((false, "PodsNotReady")));
+        assert_eq!(progressing, Some((true, "Scaling")));
+        assert_eq!(degraded, Some((true, "PodsNotReady")));
+        assert!(message.ends_with("node(s) 1-1 not ready"), "{message}");
+        // A node only the new shape has (shard 3 of a scale-out) is the scale's to start.
+        let growing = ValkeyCluster::test("vc")
+            .shards(4)
+            .replicas(1)
+            .with_status(formed_as(3).status.clone().unwrap_or_default());
+        let (phase, ..) = compute_for(&growing, &moving, false, &all_up);
+        assert_eq!(phase, "Scaling");
+        // The spec's own shape: a step is healing...
         let healing = Progress::Acted("forgot node 1234abcd".into());
-        let (phase, ready, _, degraded, _) = compute_for(&formed_as(3), &healing);
+        let (phase, ready, _, degraded, _) = compute_for(&formed_as(3), &healing, false, &all_up);
         assert_eq!(phase, "Degraded");
         assert_eq!(ready, Some((false, "Healing")));
         assert_eq!(degraded, Some((true, "Healing")));
+        // ... unless nodes leave it (a scale-out undone before it formed).
+        let (phase, _, _, degraded, message) = compute_for(&formed_as(3), &moving, true, &all_up);
+        assert_eq!((phase, degraded), ("Scaling", Some((false, "Scaling"))));
+        assert!(
+            message.starts_with("scaling to 3 shards, 1 replica each: "),
+            "{message}"
+        );
         // What status keeps: the last formed shape until the cluster forms at the spec's.
         let to_three = |shards| {
             Some(Shape {
@@ -540,9 +620,8 @@ mod tests {
                 replicas: 1,
             })
         };
-        assert_eq!(formed_shape(&formed_as(4), &moving), to_three(4));
-        let formed = Progress::Formed(Default::default());
-        assert_eq!(formed_shape(&formed_as(4), &formed), to_three(3));
-        assert_eq!(formed_shape(&ValkeyCluster::test("vc"), &moving), None);
+        assert_eq!(formed_shape(&formed_as(4), false), to_three(4));
+        assert_eq!(formed_shape(&formed_as(4), true), to_three(3));
+        assert_eq!(formed_shape(&ValkeyCluster::test("vc"), false), None);
     }
 }
