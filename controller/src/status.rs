@@ -575,10 +575,16 @@ mod tests {
         let moving = Progress::Waiting("shard 3 goes; its slots are moving".into());
         let (phase, ready, progressing, degraded, message) =
             compute_for(&formed_as(4), &moving, true, &all_up);
-        assert_eq!(phase, "Scaling");
-        assert_eq!(ready, Some((false, "Scaling")));
-        assert_eq!(progressing, Some((true, "Scaling")));
-        assert_eq!(degraded, Some((false, "Scaling")));
+        let scaling = Some((true, "Scaling"));
+        assert_eq!(
+            (phase, ready, progressing, degraded),
+            (
+                "Scaling",
+                Some((false, "Scaling")),
+                scaling,
+                Some((false, "Scaling"))
+            )
+        );
         assert_eq!(
             message,
             "scaling from 4 shards, 1 replica each to 3 shards, 1 replica each: \
@@ -588,10 +594,11 @@ mod tests {
         let one_down = pods(Some(NodeRef::new(1, 1)));
         let (phase, ready, progressing, degraded, message) =
             compute_for(&formed_as(4), &moving, true, &one_down);
-        assert_eq!(phase, "Degraded");
-        assert_eq!(ready, Some((false, "PodsNotReady")));
-        assert_eq!(progressing, Some((true, "Scaling")));
-        assert_eq!(degraded, Some((true, "PodsNotReady")));
+        let not_ready = |status| Some((status, "PodsNotReady"));
+        assert_eq!(
+            (phase, ready, progressing, degraded),
+            ("Degraded", not_ready(false), scaling, not_ready(true))
+        );
         assert!(message.ends_with("node(s) 1-1 not ready"), "{message}");
         // A node only the new shape has (shard 3 of a scale-out) is the scale's to start.
         let growing = ValkeyCluster::test("vc")

@@ -627,6 +627,24 @@ async fn ready_with_statefulsets(client: &Client, ns: &str, n: usize) -> Result<
     Ok(())
 }
 
+/// "vc" is down to 3 shards: the slots where a 3-shard cluster starts them, 6 nodes that
+/// know only each other, Ready, and no StatefulSet left behind.
+async fn back_to_three_shards(client: &Client, ns: &str) -> Result<()> {
+    eventually(
+        "3 shards of 5461, 5462 and 5461 slots, 6 nodes that know only each other",
+        FORM,
+        || async {
+            let addrs = pod_addrs(client, ns, "vc").await?;
+            ensure!(addrs.len() == 6, "{} pods", addrs.len());
+            let counts = slots_per_primary(&addrs).await?;
+            ensure!(counts == [5461, 5461, 5462], "slots per primary {counts:?}");
+            know_only_each_other(&addrs).await
+        },
+    )
+    .await?;
+    ready_with_statefulsets(client, ns, 6).await
+}
+
 async fn set_spec(client: &Client, ns: &str, spec: serde_json::Value) -> Result<()> {
     Api::<ValkeyCluster>::namespaced(client.clone(), ns)
         .patch(
@@ -755,19 +773,7 @@ async fn scaling(env: TestEnv) -> Result<()> {
     // its nodes go, and the slots end where a 3-shard cluster starts them.
     let started = Instant::now();
     set_spec(&client, &ns, json!({ "shards": 3 })).await?;
-    eventually(
-        "3 shards of 5461, 5462 and 5461 slots, 6 nodes that know only each other",
-        FORM,
-        || async {
-            let addrs = pod_addrs(&client, &ns, "vc").await?;
-            ensure!(addrs.len() == 6, "{} pods", addrs.len());
-            let counts = slots_per_primary(&addrs).await?;
-            ensure!(counts == [5461, 5461, 5462], "slots per primary {counts:?}");
-            know_only_each_other(&addrs).await
-        },
-    )
-    .await?;
-    ready_with_statefulsets(&client, &ns, 6).await?;
+    back_to_three_shards(&client, &ns).await?;
     eprintln!("shards 4 -> 3 in {:?}", started.elapsed());
     // Scaling in: the migration's own steps are in the status too, not only in events.
     scaled_visibly(&statuses, mark, "shard 3 goes")?;
@@ -822,19 +828,7 @@ async fn scale_in_past_a_down_node(env: TestEnv) -> Result<()> {
     cp.agent().fault(&ns, &pod, Fault::Stop).await?;
 
     set_spec(&client, &ns, json!({ "shards": 3 })).await?;
-    eventually(
-        "3 shards of 5461, 5462 and 5461 slots, 6 nodes that know only each other",
-        FORM,
-        || async {
-            let addrs = pod_addrs(&client, &ns, "vc").await?;
-            ensure!(addrs.len() == 6, "{} pods", addrs.len());
-            let counts = slots_per_primary(&addrs).await?;
-            ensure!(counts == [5461, 5461, 5462], "slots per primary {counts:?}");
-            know_only_each_other(&addrs).await
-        },
-    )
-    .await?;
-    ready_with_statefulsets(&client, &ns, 6).await?;
+    back_to_three_shards(&client, &ns).await?;
     let mut conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
     for k in &keys {
         let v: Option<String> = conn.get(k).await?;
