@@ -56,6 +56,12 @@ pub enum Expect {
     /// MULTI, taken as started when sent: an error in its place (an ACL rule, a missing
     /// AUTH) says that it did not start, and the commands sent after it run one by one.
     Multi,
+    /// `CLIENT REPLY OFF` or `SKIP` sent with its own reply due: accepted, it has none
+    /// (the commands behind it are taken as unanswered); refused (an ACL rule, a missing
+    /// AUTH), an error comes in its place, and they were answered after all. Looked past by
+    /// every rule but the placing of an in-band reply, which settles it: that error gives
+    /// the connection up, anything else says it was accepted.
+    ClientReply,
     /// A command queued in a transaction: `+QUEUED`, or an error (then EXEC aborts). Any
     /// other reply says that the transaction never started (a MULTI refused with its
     /// reply skipped): the command ran, and the pairing gives up before its reply goes out.
@@ -97,6 +103,9 @@ pub enum Lost {
     /// serves, a channel its ACL user may not use), and then the confirmations that come
     /// could be either's, which nothing followed here tells apart.
     SubscribeAfterQuietSubscribe,
+    /// `CLIENT REPLY OFF` or `SKIP` refused (an ACL rule, a missing AUTH): the commands
+    /// behind it were taken as unanswered.
+    ClientReplyRefused,
     /// MULTI refused (an ACL rule, a missing AUTH) with commands already sent behind it, or
     /// with its reply skipped (seen when a queued command's reply is not `+QUEUED`): they
     /// were taken as queued, and run one by one instead (a subscribe, a CLIENT REPLY,
@@ -120,6 +129,9 @@ impl Lost {
                 "a subscribe command right behind one sent with CLIENT REPLY OFF or SKIP"
             }
             Lost::MultiRefused => "MULTI refused, with commands sent behind it as if queued",
+            Lost::ClientReplyRefused => {
+                "CLIENT REPLY OFF or SKIP refused, with commands sent behind it as if unanswered"
+            }
         }
     }
 }
@@ -138,6 +150,7 @@ impl Expect {
                 | Expect::Hello
                 | Expect::Multi
                 | Expect::Queued
+                | Expect::ClientReply
         )
     }
 
@@ -315,17 +328,48 @@ impl Pairing {
         self.queue.push_back((e, n));
     }
 
+    /// Where the front entry is: the first that is not a [`Expect::ClientReply`], which
+    /// every rule looks past but the placing of an in-band reply
+    /// ([`Pairing::settle_client_reply`]).
+    fn first(&self) -> usize {
+        self.queue
+            .iter()
+            .position(|(e, _)| *e != Expect::ClientReply)
+            .unwrap_or(self.queue.len())
+    }
+
     fn pop(&mut self) -> Option<Expect> {
-        let (front, n) = self.queue.front_mut()?;
+        let i = self.first();
+        let (front, n) = self.queue.get_mut(i)?;
         if *n > 1 {
             *n -= 1;
             return Some(front.clone());
         }
-        self.queue.pop_front().map(|(e, _)| e)
+        self.queue.remove(i).map(|(e, _)| e)
     }
 
     fn front(&self) -> Option<&Expect> {
-        self.queue.front().map(|(e, _)| e)
+        self.queue.get(self.first()).map(|(e, _)| e)
+    }
+
+    /// An in-band reply is being placed behind `CLIENT REPLY OFF|SKIP` entries: it is
+    /// their refusal (an error that says so: the connection is given up), or they were
+    /// accepted and go. (Had one been refused, its error would have come first: Valkey
+    /// runs commands in order.)
+    fn settle_client_reply(&mut self, ty: u8, frame: Option<&Frame<'_>>) -> Option<Lost> {
+        if !matches!(self.queue.front(), Some((Expect::ClientReply, _))) {
+            return None;
+        }
+        let refusal = ty == b'-'
+            && matches!(frame, Some(Frame::Error(e)) if e.starts_with(b"NOAUTH")
+                || (e.starts_with(b"NOPERM") && contains(e, b"'client|reply'")));
+        if refusal {
+            return Some(Lost::ClientReplyRefused);
+        }
+        while matches!(self.queue.front(), Some((Expect::ClientReply, _))) {
+            self.queue.pop_front();
+        }
+        None
     }
 
     /// Entries in the queue and in the transaction being queued: runs of like commands
@@ -419,11 +463,19 @@ impl Pairing {
                     return;
                 }
                 b"off" => {
+                    // Its own reply is due unless skipped: no reply if accepted, an error
+                    // if refused.
+                    if !self.reply_off && !self.skip_next {
+                        self.push(Expect::ClientReply);
+                    }
                     self.reply_off = true;
                     return;
                 }
                 b"skip" => {
                     if !self.reply_off {
+                        if !self.skip_next {
+                            self.push(Expect::ClientReply);
+                        }
                         self.skip_next = true;
                     }
                     return;
@@ -780,7 +832,7 @@ impl Pairing {
         self.queue.iter().map(|(e, _)| e).find(|e| {
             // MONITOR on a monitoring connection gets no reply.
             let unanswered = **e == Expect::Monitor && self.monitor_unanswered();
-            !(matches!(e, Expect::PubSub { .. }) || unanswered)
+            !(matches!(e, Expect::PubSub { .. } | Expect::ClientReply) || unanswered)
         })
     }
 
@@ -884,6 +936,11 @@ impl Pairing {
                 _ => {}
             }
         }
+        // An in-band reply from here on.
+        if let Some(lost) = self.settle_client_reply(ty, frame) {
+            self.lost.get_or_insert(lost);
+            return Answer::InBand(Expect::Other);
+        }
         if let Some(Expect::PubSub {
             seen: 0,
             quiet: false,
@@ -956,6 +1013,11 @@ impl Pairing {
 
     /// RESET's reply: no subscription, no MONITOR, RESP2.
     fn reset_replies(&mut self) {
+        // RESET answered: a CLIENT REPLY before it was accepted (its error would have come
+        // first), and replies are on again.
+        while matches!(self.queue.front(), Some((Expect::ClientReply, _))) {
+            self.queue.pop_front();
+        }
         self.subscribed = false;
         self.monitor = false;
         self.resp3 = false;
@@ -984,6 +1046,7 @@ impl Pairing {
             }
         };
         self.subscribed = self.channels + self.patterns + self.shard_channels > 0;
+        let i = self.first();
         let Some((
             Expect::PubSub {
                 op: want,
@@ -992,7 +1055,7 @@ impl Pairing {
                 quiet,
             },
             n,
-        )) = self.queue.front_mut()
+        )) = self.queue.get_mut(i)
         else {
             return; // Unasked (a slot moved away, say): nothing waits for it.
         };
@@ -1015,11 +1078,11 @@ impl Pairing {
                     seen,
                     quiet,
                 };
-                self.queue.push_front((e, 1));
+                self.queue.insert(i, (e, 1));
             }
         } else if done {
-            self.queue.pop_front();
-        } else if let Some((Expect::PubSub { seen: s, .. }, _)) = self.queue.front_mut() {
+            self.queue.remove(i);
+        } else if let Some((Expect::PubSub { seen: s, .. }, _)) = self.queue.get_mut(i) {
             *s = seen;
         }
     }
@@ -1054,10 +1117,14 @@ impl PubSubKind {
     }
 }
 
+/// Whether `needle` occurs in `haystack`.
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
 /// Whether a simple string has the shape of a MONITOR line, which no reply to a command
-/// has: `<seconds>.<micros> [<db> <client>] ...` (`[<db> lua]` from a script).
-/// Whether a status line is MONITOR's (`<secs>.<micros> [<db> <client>] "cmd" ...`), from
-/// its first bytes at least.
+/// has: `<seconds>.<micros> [<db> <client>] ...` (`[<db> lua]` from a script), from its
+/// first bytes at least.
 pub fn is_monitor_line(s: &[u8]) -> bool {
     let digits = |b: &[u8]| !b.is_empty() && b.iter().all(u8::is_ascii_digit);
     let Some(dot) = s.iter().position(|&b| b == b'.') else {
@@ -1378,6 +1445,31 @@ pub(crate) mod tests {
             b"GET 'a\r\nMULTI\r\nCLUSTER NODES\r\n",
             &[b"-ERR Protocol error: unbalanced quotes in request\r\n"],
         );
+        assert_eq!(got, [None, None]);
+    }
+
+    /// CLIENT REPLY OFF or SKIP refused (the bytes Valkey 9.1 sends for a user whose ACL
+    /// lacks it, or before AUTH): the commands behind it were answered after all, which the
+    /// pairing cannot follow, so it gives up at the refusal. Accepted, the first in-band
+    /// reply behind it settles it, an error too.
+    #[test]
+    fn a_refused_client_reply_is_given_up_at_its_error() {
+        let noperm: &[u8] = b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n";
+        let got = lost_after(b"CLIENT REPLY SKIP\r\nGET v\r\nGET w\r\nCLUSTER NODES\r\n", &[noperm]);
+        assert_eq!(got, [None, Some(Lost::ClientReplyRefused)]);
+        let got = lost_after(
+            b"GET a\r\nCLIENT REPLY OFF\r\nCLUSTER NODES\r\nCLIENT REPLY ON\r\n",
+            &[b"$-1\r\n", b"-NOAUTH Authentication required.\r\n"],
+        );
+        assert_eq!(got, [None, None, Some(Lost::ClientReplyRefused)]);
+        // Accepted: GET a's reply is skipped; GET b's error is its own.
+        let got = pair(
+            b"CLIENT REPLY SKIP\r\nGET a\r\nGET b\r\nCLUSTER SLOTS\r\n",
+            &[b"-MOVED 1 10.0.0.1:6379\r\n", b"*0\r\n"],
+        );
+        assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterSlots)]);
+        // Its own reply skipped (a SKIP behind a SKIP): nothing to settle.
+        let got = lost_after(b"CLIENT REPLY SKIP\r\nCLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n", &[b"$-1\r\n"]);
         assert_eq!(got, [None, None]);
     }
 

@@ -201,6 +201,7 @@ fn rewrite_in_place(map: &AddressMap, expect: &Expect, frame: &mut Frame<'_>, re
         | Expect::Lost(_)
         | Expect::Hello
         | Expect::Multi
-        | Expect::Queued => {}
+        | Expect::Queued
+        | Expect::ClientReply => {}
     }
 }

@@ -988,7 +988,9 @@ mod tests {
             let noperm = &b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n"[..];
             let replies = [noperm, &nodes, b"$-1\r\n"].concat();
             let (out, ..) = through_in_pieces(requests, &replies, small(), piece).unwrap();
-            let want = [noperm, line("a reply came that no command was waiting for").as_bytes()].concat();
+            let refused =
+                "CLIENT REPLY OFF or SKIP refused, with commands sent behind it as if unanswered";
+            let want = [noperm, line(refused).as_bytes()].concat();
             assert_eq!(out.escape_ascii().to_string(), want.escape_ascii().to_string());
         }
     }
