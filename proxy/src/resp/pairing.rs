@@ -332,10 +332,14 @@ impl Pairing {
     /// every rule looks past but the placing of an in-band reply
     /// ([`Pairing::settle_client_reply`]).
     fn first(&self) -> usize {
-        self.queue
-            .iter()
-            .position(|(e, _)| *e != Expect::ClientReply)
-            .unwrap_or(self.queue.len())
+        match self.queue.front() {
+            Some((Expect::ClientReply, _)) => self
+                .queue
+                .iter()
+                .position(|(e, _)| !matches!(e, Expect::ClientReply))
+                .unwrap_or(self.queue.len()),
+            _ => 0,
+        }
     }
 
     fn pop(&mut self) -> Option<Expect> {
@@ -349,7 +353,10 @@ impl Pairing {
     }
 
     fn front(&self) -> Option<&Expect> {
-        self.queue.get(self.first()).map(|(e, _)| e)
+        match self.queue.front() {
+            Some((Expect::ClientReply, _)) => self.queue.get(self.first()).map(|(e, _)| e),
+            front => front.map(|(e, _)| e),
+        }
     }
 
     /// An in-band reply is being placed behind `CLIENT REPLY OFF|SKIP` entries: it is
@@ -679,6 +686,11 @@ impl Pairing {
     /// an ACL refused), or anything but `+QUEUED`, an error or a push where a queued
     /// command's reply is due (the transaction never started).
     pub fn lost_at(&self, ty: u8) -> Option<Lost> {
+        let front = self.front();
+        // The common case first: a reply due to a plain command.
+        if matches!(front, Some(Expect::Other)) && self.lost.is_none() {
+            return None;
+        }
         if let Some(lost) = self.lost() {
             return Some(lost);
         }
@@ -689,7 +701,7 @@ impl Pairing {
             b'*' => !self.resp3 && self.subscribed,
             _ => false,
         };
-        match self.front() {
+        match front {
             None if !unasked => Some(Lost::UnpairedReply),
             Some(Expect::Queued) if !matches!(ty, b'+' | b'-' | b'>') => {
                 Some(Lost::MultiRefused)
