@@ -367,9 +367,12 @@ impl Pairing {
         if !matches!(self.queue.front(), Some((Expect::ClientReply, _))) {
             return None;
         }
+        // An error too long to hold (`None`) may be one as well.
         let refusal = ty == b'-'
-            && matches!(frame, Some(Frame::Error(e)) if e.starts_with(b"NOAUTH")
-                || (e.starts_with(b"NOPERM") && contains(e, b"'client|reply'")));
+            && match frame {
+                Some(Frame::Error(e)) => refuses_client_reply(e),
+                _ => true,
+            };
         if refusal {
             return Some(Lost::ClientReplyRefused);
         }
@@ -590,7 +593,7 @@ impl Pairing {
             self.push(Expect::Multi);
             return;
         }
-        if expect == Expect::Monitor && self.monitor_unanswered() && self.queue.is_empty() {
+        if expect == Expect::Monitor && self.monitor_unanswered() && self.front().is_none() {
             // Every reply came, so monitoring is on: this MONITOR gets no reply.
             return;
         }
@@ -653,7 +656,8 @@ impl Pairing {
                 .queue
                 .iter()
                 .rev()
-                .take_while(|(e, _)| matches!(e, Expect::PubSub { .. }))
+                // An accepted CLIENT REPLY has no reply to settle a quiet subscribe.
+                .take_while(|(e, _)| matches!(e, Expect::PubSub { .. } | Expect::ClientReply))
                 .find(|(e, _)| subscribes(e))
                 .is_some_and(|(e, _)| matches!(e, Expect::PubSub { quiet: true, .. }));
             if behind_quiet_subscribe {
@@ -754,7 +758,7 @@ impl Pairing {
             // to tell its reply from a monitor line by shape; any other frame is placed as
             // usual.
             if ty == b'+' {
-                return !self.queue.is_empty();
+                return self.front().is_some();
             }
         }
         let pubsub_front = matches!(self.front(), Some(Expect::PubSub { .. }));
@@ -964,9 +968,14 @@ impl Pairing {
                 return Answer::InBand(self.pop().unwrap_or(Expect::Other));
             }
         }
-        // An in-band reply: subscribe commands still ahead of it are over.
+        // An in-band reply: subscribe commands still ahead of it are over, and so is a
+        // CLIENT REPLY they hid.
         while matches!(self.front(), Some(Expect::PubSub { .. })) {
             self.pop();
+        }
+        if let Some(lost) = self.settle_client_reply(ty, frame) {
+            self.lost.get_or_insert(lost);
+            return Answer::InBand(Expect::Other);
         }
         // Valkey's answer to input it rejected, after which it closes: it answers no command
         // (the MULTI behind the rejected input never ran).
@@ -1127,6 +1136,16 @@ impl PubSubKind {
     pub fn wants_third(first: &[u8]) -> bool {
         PubSubOp::of(&first.to_ascii_lowercase()).is_some()
     }
+}
+
+/// Whether an error is Valkey's refusal of `CLIENT REPLY`: an ACL rule, no AUTH yet, or
+/// the command renamed away or filtered out (named as the client sent it).
+fn refuses_client_reply(e: &[u8]) -> bool {
+    let head = e[..e.len().min(64)].to_ascii_lowercase();
+    head.starts_with(b"noauth")
+        || (head.starts_with(b"noperm") && contains(e, b"'client|reply'"))
+        || head.starts_with(b"err unknown command 'client'")
+        || head.starts_with(b"err unknown subcommand 'reply'")
 }
 
 /// Whether `needle` occurs in `haystack`.
@@ -1482,6 +1501,56 @@ pub(crate) mod tests {
         assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterSlots)]);
         // Its own reply skipped (a SKIP behind a SKIP): nothing to settle.
         let got = lost_after(b"CLIENT REPLY SKIP\r\nCLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n", &[b"$-1\r\n"]);
+        assert_eq!(got, [None, None]);
+    }
+
+    /// A CLIENT REPLY entry is looked past by the other rules (found in review): the
+    /// guard for a subscribe behind a quiet one, MONITOR on a monitoring connection (no
+    /// reply), an in-band reply behind a quiet subscribe that never got its confirmation,
+    /// and the refusal of a renamed-away command.
+    #[test]
+    fn a_client_reply_entry_changes_no_other_rule() {
+        let hello3: &[u8] = b"%1\r\n$5\r\nproto\r\n:3\r\n";
+        let mut p = Pairing::new(true);
+        let mut s = RequestScanner::default();
+        let reply = |p: &mut Pairing, r: &[u8]| {
+            let frame = parse(r).unwrap().0;
+            let captured = p.capture(r[0]);
+            p.on_reply(r[0], captured.then_some(&frame))
+        };
+        s.feed(b"HELLO 3\r\n", |c| p.on_request(c)).unwrap();
+        reply(&mut p, hello3);
+        s.feed(b"CLIENT REPLY SKIP\r\nSSUBSCRIBE foreign\r\nCLIENT REPLY SKIP\r\nGET y\r\nSSUBSCRIBE local\r\n", |c| p.on_request(c)).unwrap();
+        assert!(
+            p.queue.iter().any(|(e, _)| *e == Expect::Lost(Lost::SubscribeAfterQuietSubscribe)),
+            "{:?}",
+            p.queue
+        );
+        // A quiet subscribe that never got a confirmation (refused silently), then an
+        // in-band reply: every CLIENT REPLY ahead of it is settled.
+        let mut p = Pairing::new(true);
+        s.feed(b"HELLO 3\r\n", |c| p.on_request(c)).unwrap();
+        reply(&mut p, hello3);
+        s.feed(b"CLIENT REPLY SKIP\r\nSSUBSCRIBE foreign\r\nCLIENT REPLY SKIP\r\nGET y\r\nGET x\r\n", |c| p.on_request(c)).unwrap();
+        assert_eq!(reply(&mut p, b"$1\r\nx\r\n"), InBand(Expect::Other));
+        assert!(p.queue.is_empty(), "{:?}", p.queue);
+        // MONITOR while monitoring gets no reply, CLIENT REPLY pending or not.
+        let mut p = Pairing::new(true);
+        s.feed(b"MONITOR\r\n", |c| p.on_request(c)).unwrap();
+        reply(&mut p, b"+OK\r\n");
+        s.feed(b"CLIENT REPLY SKIP\r\nGET a\r\n", |c| p.on_request(c)).unwrap();
+        let line = b"+1796112351.679651 [0 127.0.0.1:35364] \"GET\" \"a\"\r\n";
+        assert_eq!(reply(&mut p, line), OutOfBand);
+        s.feed(b"MONITOR\r\nGET b\r\nCLUSTER NODES\r\n", |c| p.on_request(c)).unwrap();
+        assert_eq!(reply(&mut p, b"$-1\r\n"), InBand(Expect::Other));
+        assert_eq!(reply(&mut p, b"$0\r\n\r\n"), InBand(Expect::ClusterNodes));
+        // CLIENT renamed away: refused as surely as by an ACL.
+        let unknown: &[u8] = b"-ERR unknown command 'client', with args beginning with: 'REPLY' 'SKIP' \r\n";
+        let got = lost_after(b"CLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n", &[unknown]);
+        assert_eq!(got, [None, Some(Lost::ClientReplyRefused)]);
+        // An unknown command behind an accepted SKIP is that command's error.
+        let typo: &[u8] = b"-ERR unknown command 'GETT', with args beginning with: 'b' \r\n";
+        let got = lost_after(b"CLIENT REPLY SKIP\r\nGET a\r\nGETT b\r\n", &[typo]);
         assert_eq!(got, [None, None]);
     }
 
