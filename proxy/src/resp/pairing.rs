@@ -1225,20 +1225,19 @@ pub(crate) mod tests {
     use crate::resp::frame::parse;
     use crate::resp::request::RequestScanner;
 
+    /// Places one reply frame, captured when the pairing asks for it.
+    fn reply(p: &mut Pairing, r: &[u8]) -> Answer {
+        let frame = parse(r).unwrap().0;
+        let captured = p.capture(r[0]);
+        p.on_reply(r[0], captured.then_some(&frame))
+    }
+
     /// Feeds the requests, then places each reply; returns the answers.
     fn pair(requests: &[u8], replies: &[&[u8]]) -> Vec<Answer> {
         let mut p = Pairing::new(true);
         let mut s = RequestScanner::default();
         s.feed(requests, |c| p.on_request(c)).unwrap();
-        replies
-            .iter()
-            .map(|r| {
-                let ty = r[0];
-                let frame = parse(r).unwrap().0;
-                let captured = p.capture(ty);
-                p.on_reply(ty, captured.then_some(&frame))
-            })
-            .collect()
+        replies.iter().map(|r| reply(&mut p, r)).collect()
     }
 
     use Answer::{InBand, OutOfBand};
@@ -1447,11 +1446,6 @@ pub(crate) mod tests {
             b"-NOPERM User u has no permissions to run the 'multi' command\r\n";
         let mut p = Pairing::new(true);
         let mut s = RequestScanner::default();
-        let reply = |p: &mut Pairing, r: &[u8]| {
-            let frame = parse(r).unwrap().0;
-            let captured = p.capture(r[0]);
-            p.on_reply(r[0], captured.then_some(&frame))
-        };
         s.feed(b"MULTI\r\n", |c| p.on_request(c)).unwrap();
         assert_eq!(reply(&mut p, refused), InBand(Expect::Multi));
         s.feed(b"CLUSTER SLOTS\r\nCLIENT REPLY OFF\r\nGET a\r\nCLIENT REPLY ON\r\nEXEC\r\n", |c| {
@@ -1513,11 +1507,6 @@ pub(crate) mod tests {
         let hello3: &[u8] = b"%1\r\n$5\r\nproto\r\n:3\r\n";
         let mut p = Pairing::new(true);
         let mut s = RequestScanner::default();
-        let reply = |p: &mut Pairing, r: &[u8]| {
-            let frame = parse(r).unwrap().0;
-            let captured = p.capture(r[0]);
-            p.on_reply(r[0], captured.then_some(&frame))
-        };
         s.feed(b"HELLO 3\r\n", |c| p.on_request(c)).unwrap();
         reply(&mut p, hello3);
         s.feed(b"CLIENT REPLY SKIP\r\nSSUBSCRIBE foreign\r\nCLIENT REPLY SKIP\r\nGET y\r\nSSUBSCRIBE local\r\n", |c| p.on_request(c)).unwrap();
@@ -2286,10 +2275,7 @@ pub(crate) mod tests {
         s.feed(requests, |c| p.on_request(c)).unwrap();
         let mut got = vec![p.lost()];
         for r in replies {
-            let ty = r[0];
-            let frame = parse(r).unwrap().0;
-            let captured = p.capture(ty);
-            p.on_reply(ty, captured.then_some(&frame));
+            reply(&mut p, r);
             got.push(p.lost());
         }
         got
