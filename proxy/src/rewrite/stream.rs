@@ -963,8 +963,8 @@ mod tests {
     /// A reply that the pairing cannot place is never sent: the error line goes out in its
     /// place. Both are bytes Valkey 9.1 sends to a user whose ACL lacks the command: a MULTI
     /// refused with its reply skipped (the next command's reply is not `+QUEUED`), and a
-    /// refused `CLIENT REPLY SKIP` (its error taken as the next command's reply, the skipped
-    /// one's then comes with nothing waiting).
+    /// refused `CLIENT REPLY SKIP` (its error goes out, then nothing more: the commands
+    /// behind it were taken as unanswered).
     #[test]
     fn a_reply_the_pairing_cannot_place_never_goes_out() {
         let nodes = bulk(b"e7d1 10.0.0.1:6379@16379 myself,master - 0 0 1 connected 0-16383\n");
