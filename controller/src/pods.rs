@@ -28,6 +28,9 @@ pub struct NodePod {
     /// The config hash it was started with.
     pub config_hash: Option<String>,
     pub deleting: bool,
+    /// How often its containers restarted (a pod that crashes is a fault, not a restart
+    /// the operator asked for).
+    pub restarts: i32,
     /// The Kubernetes node it was scheduled to.
     pub node_name: Option<String>,
     /// The client address its command line announces (announce mode), which CLUSTER NODES
@@ -36,7 +39,7 @@ pub struct NodePod {
 }
 
 /// The pods of a cluster.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Pods {
     pub nodes: BTreeMap<NodeRef, NodePod>,
     /// Pods that carry the cluster's labels but not both index labels: an error each, never
@@ -72,6 +75,9 @@ pub async fn observe(vc: &ValkeyCluster, ctx: &Context) -> Result<Pods> {
                 ready,
                 config_hash: pod.annotations().get(CONFIG_HASH).cloned(),
                 deleting: pod.metadata.deletion_timestamp.is_some(),
+                restarts: status
+                    .and_then(|s| s.container_statuses.as_ref())
+                    .map_or(0, |c| c.iter().map(|c| c.restart_count).sum()),
                 node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
                 announced: pod
                     .spec

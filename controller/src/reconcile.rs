@@ -273,7 +273,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             pods: &pods,
             desired_nodes: nodes.len(),
             shards: vc.spec.shards as u32,
-            rolling: stale.len(),
+            stale: &stale,
             external: external.as_ref(),
             gateway: routing.as_ref(),
             scaling_in,
@@ -282,9 +282,10 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     )
     .await?;
     if let Some(ready) = conditions.iter().find(|c| c.type_ == "Ready") {
-        // Not ready while scaling is what the user asked for: ScaleIn and Formation events
-        // tell it, not a warning.
-        if ready.status != was_ready && ready.reason != "Scaling" {
+        // Not ready while scaling or rolling a config is what the user asked for: the
+        // ScaleIn, Formation and RollingConfig events tell it, not a warning.
+        let asked = ["Scaling", "RollingConfig"].contains(&ready.reason);
+        if ready.status != was_ready && !asked {
             let (kind, reason) = if ready.status {
                 (EventType::Normal, "Ready")
             } else {

@@ -24,8 +24,8 @@ pub struct Observed<'a> {
     pub pods: &'a Pods,
     pub desired_nodes: usize,
     pub shards: u32,
-    /// Pods still to be replaced for a config change.
-    pub rolling: usize,
+    /// Nodes whose pod is missing or not on the current config.
+    pub stale: &'a [NodeRef],
     /// External access in announce mode: its endpoints (`None`: off, and not reported).
     pub external: Option<&'a External>,
     /// Gateway mode: what the Gateway has (`None`: no gateway, and not reported).
@@ -190,6 +190,61 @@ fn formed_shape(vc: &ValkeyCluster, formed_now: bool) -> Option<Shape> {
     vc.status.as_ref().and_then(|s| s.formed)
 }
 
+/// How many pods still run an old config (pods being replaced included).
+fn on_old_config(o: &Observed<'_>) -> usize {
+    o.stale
+        .iter()
+        .filter(|n| o.pods.nodes.contains_key(n))
+        .count()
+}
+
+/// While a config change rolls through a formed cluster (pods on an old config remain, or
+/// the last status said so and the cluster has not settled since): what it is doing. `None`
+/// when no roll is under way or something besides it is wrong: more than the one node the
+/// roll replaces at a time is down, or a node is down that the roll did not take down (a
+/// pod on an old config that is not being replaced, a pod that crashed since it started).
+fn rolling(vc: &ValkeyCluster, o: &Observed<'_>) -> Option<String> {
+    let old = on_old_config(o);
+    let was_rolling = condition(vc, "Progressing").is_some_and(|c| c.reason == "RollingConfig");
+    if !was_formed(vc) || (old == 0 && !was_rolling) {
+        return None;
+    }
+    // Missing pods are on their way back (the StatefulSet recreates them).
+    let mut restarting: Vec<NodeRef> = o
+        .stale
+        .iter()
+        .filter(|n| !o.pods.nodes.contains_key(n))
+        .copied()
+        .collect();
+    for (n, p) in &o.pods.nodes {
+        if p.deleting {
+            restarting.push(*n);
+        } else if !p.ready {
+            if o.stale.contains(n) || p.restarts > 0 {
+                return None;
+            }
+            restarting.push(*n);
+        }
+    }
+    let step = match (o.progress, restarting.as_slice()) {
+        (Progress::Formed(_), []) if old == 0 => return None,
+        (Progress::Formed(_), []) => String::new(),
+        (Progress::Formed(_), [n]) => format!("; node {n} restarting"),
+        (_, [_, _, ..]) => return None,
+        (Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what), _) => {
+            format!("; {what}")
+        }
+    };
+    Some(if old > 0 {
+        format!(
+            "{old} of {} pods to restart with the new config{step}",
+            o.desired_nodes
+        )
+    } else {
+        format!("every pod restarted with the new config{step}")
+    })
+}
+
 /// The phase and the cluster's own conditions.
 fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Computed>) {
     let formed_before = was_formed(vc);
@@ -201,7 +256,19 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
         reason,
         message,
     };
-    match (o.progress, scaling(vc, o.scaling_in)) {
+    let scale = scaling(vc, o.scaling_in);
+    // A config change the user asked for, one pod at a time: not Degraded, and not Ready
+    // for the spec until every pod runs it (so that waiting for Ready waits for the roll).
+    if let Some(message) = rolling(vc, o).filter(|_| scale.is_none()) {
+        let conditions = vec![
+            c("Ready", false, "RollingConfig", message.clone()),
+            c("ClusterFormed", true, "Formed", message.clone()),
+            c("Progressing", true, "RollingConfig", message.clone()),
+            c("Degraded", false, "RollingConfig", message),
+        ];
+        return ("Upgrading", conditions);
+    }
+    match (o.progress, scale) {
         (Progress::Formed(f), _) => {
             let primaries = f.nodes.values().filter(|n| n.primary).count();
             let summary = format!(
@@ -209,21 +276,13 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
                 o.shards,
                 f.nodes.len()
             );
-            let (phase, progressing) = if o.rolling > 0 {
-                (
-                    "Upgrading",
-                    c(
-                        "Progressing",
-                        true,
-                        "RollingConfig",
-                        format!("{} pods to restart with the new config", o.rolling),
-                    ),
-                )
+            // A roll that waits for a fault to clear is still to do.
+            let old = on_old_config(o);
+            let progressing = if old > 0 {
+                let what = format!("{old} pods to restart with the new config");
+                c("Progressing", true, "RollingConfig", what)
             } else {
-                (
-                    "Ready",
-                    c("Progressing", false, "Settled", "nothing to do".into()),
-                )
+                c("Progressing", false, "Settled", "nothing to do".into())
             };
             let ready = if all_ready {
                 c("Ready", true, "ClusterReady", summary.clone())
@@ -236,7 +295,7 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
                 )
             };
             (
-                if all_ready { phase } else { "Degraded" },
+                if all_ready { "Ready" } else { "Degraded" },
                 vec![
                     ready,
                     c("ClusterFormed", true, "Formed", summary),
@@ -462,7 +521,7 @@ mod tests {
                 pods: &pods,
                 desired_nodes: 1,
                 shards: 1,
-                rolling: 0,
+                stale: &[],
                 external: Some(&ext),
                 gateway: None,
                 scaling_in: false,
@@ -550,7 +609,7 @@ mod tests {
                 pods,
                 desired_nodes: 6,
                 shards: 3,
-                rolling: 0,
+                stale: &[],
                 external: None,
                 gateway: None,
                 scaling_in,
@@ -630,5 +689,157 @@ mod tests {
         assert_eq!(formed_shape(&formed_as(4), false), to_three(4));
         assert_eq!(formed_shape(&formed_as(4), true), to_three(3));
         assert_eq!(formed_shape(&ValkeyCluster::test("vc"), false), None);
+    }
+
+    /// A config change rolling through a formed cluster: Upgrading, with Ready false (so
+    /// that waiting for Ready waits for the roll) and Degraded false, while the one node
+    /// down is the one the roll replaces, also after the last old pod went. A node down
+    /// that the roll did not take down, or two at once, is a fault; once every pod runs
+    /// the new config and is ready, the cluster is Ready.
+    #[test]
+    fn a_config_roll_is_upgrading_not_degradation() {
+        use crate::pods::NodePod;
+        use shardgate_crds::valkey_cluster::ValkeyClusterStatus;
+        let nodes: Vec<NodeRef> = (0..2)
+            .flat_map(|s| (0..2).map(move |n| NodeRef::new(s, n)))
+            .collect();
+        let n01 = NodeRef::new(0, 1);
+        let n10 = NodeRef::new(1, 0);
+        let ready = NodePod {
+            ready: true,
+            ..NodePod::default()
+        };
+        let all_ready = || -> Pods {
+            Pods {
+                nodes: nodes.iter().map(|n| (*n, ready.clone())).collect(),
+                unlabelled: vec![],
+            }
+        };
+        let with = |changes: &[(NodeRef, NodePod)]| {
+            let mut pods = all_ready();
+            for (n, p) in changes {
+                pods.nodes.insert(*n, p.clone());
+            }
+            pods
+        };
+        let down = NodePod::default();
+        let deleting = NodePod {
+            deleting: true,
+            ..ready.clone()
+        };
+        let crashed = NodePod {
+            restarts: 2,
+            ..NodePod::default()
+        };
+        // Formed and ready; `rolling`: the last status said a roll was under way.
+        let vc = |rolling: bool| {
+            let mut progressing = held("Progressing", "True");
+            if rolling {
+                progressing.reason = "RollingConfig".into();
+            }
+            ValkeyCluster::test("vc")
+                .shards(2)
+                .replicas(1)
+                .with_status(ValkeyClusterStatus {
+                    conditions: vec![
+                        held("ClusterFormed", "True"),
+                        held("Ready", "True"),
+                        progressing,
+                    ],
+                    ..Default::default()
+                })
+        };
+        let compute_for =
+            |vc: &ValkeyCluster, progress: Progress, pods: Pods, stale: &[NodeRef]| {
+                let o = Observed {
+                    progress: &progress,
+                    pods: &pods,
+                    desired_nodes: 4,
+                    shards: 2,
+                    stale,
+                    external: None,
+                    gateway: None,
+                    scaling_in: false,
+                    formed_now: false,
+                };
+                let (phase, conditions) = compute(vc, &o);
+                let find = |t: &str| {
+                    conditions
+                        .iter()
+                        .find(|c| c.type_ == t)
+                        .map(|c| (c.status, c.reason))
+                };
+                let upgrading = (
+                    Some((false, "RollingConfig")),
+                    Some((true, "RollingConfig")),
+                    Some((false, "RollingConfig")),
+                );
+                let read = (find("Ready"), find("Progressing"), find("Degraded"));
+                if phase == "Upgrading" {
+                    assert_eq!(read, upgrading, "Upgrading says so in every condition");
+                }
+                (phase, read.0, conditions[0].message.clone())
+            };
+        let formed = || Progress::Formed(Default::default());
+        let waiting = || Progress::Waiting("node 0-1 has no address yet".into());
+        let old_but_01 = [NodeRef::new(0, 0), n10, NodeRef::new(1, 1)];
+
+        // The change is seen: every pod to restart, none down yet.
+        let (phase, _, message) = compute_for(&vc(false), formed(), all_ready(), &nodes);
+        assert_eq!(phase, "Upgrading");
+        assert_eq!(message, "4 of 4 pods to restart with the new config");
+        // The roll's own step.
+        let restarted = Progress::Acted("restarted pod vc-shard-0-1 (node 0-1, a replica)".into());
+        let (phase, _, message) = compute_for(&vc(true), restarted, all_ready(), &nodes);
+        assert_eq!(phase, "Upgrading");
+        assert!(message.ends_with("; restarted pod vc-shard-0-1 (node 0-1, a replica)"));
+        // The replaced pod going, gone, and back on the new config but not ready yet.
+        let going = with(&[(n01, deleting.clone())]);
+        assert_eq!(
+            compute_for(&vc(true), waiting(), going, &nodes).0,
+            "Upgrading"
+        );
+        let mut gone = all_ready();
+        gone.nodes.remove(&n01);
+        assert_eq!(
+            compute_for(&vc(true), waiting(), gone, &nodes).0,
+            "Upgrading"
+        );
+        let starting = with(&[(n01, down.clone())]);
+        let (phase, _, message) = compute_for(&vc(true), waiting(), starting, &old_but_01);
+        assert_eq!(phase, "Upgrading");
+        assert_eq!(
+            message,
+            "3 of 4 pods to restart with the new config; node 0-1 has no address yet"
+        );
+        // After the last old pod went: still the roll's until the cluster settles...
+        let last = with(&[(n10, down.clone())]);
+        let (phase, _, message) = compute_for(&vc(true), formed(), last.clone(), &[]);
+        assert_eq!(phase, "Upgrading");
+        assert_eq!(
+            message,
+            "every pod restarted with the new config; node 1-0 restarting"
+        );
+        // ... and then Ready.
+        let (phase, ready, _) = compute_for(&vc(true), formed(), all_ready(), &[]);
+        assert_eq!((phase, ready), ("Ready", Some((true, "ClusterReady"))));
+
+        // Faults, said as such: a pod on the old config that nobody replaces is down...
+        let old_down = with(&[(n01, down.clone())]);
+        let (phase, ready, _) = compute_for(&vc(true), waiting(), old_down, &nodes);
+        assert_eq!((phase, ready), ("Degraded", Some((false, "Waiting"))));
+        // ... the new pod crashes...
+        let crashing = with(&[(n01, crashed)]);
+        let (phase, ..) = compute_for(&vc(true), waiting(), crashing, &old_but_01);
+        assert_eq!(phase, "Degraded");
+        // ... two nodes down at once...
+        let two = with(&[(n01, deleting), (n10, down.clone())]);
+        let (phase, ..) = compute_for(&vc(true), waiting(), two, &nodes);
+        assert_eq!(phase, "Degraded");
+        // ... and without a roll, a node down is what it was (a killed pod, say).
+        let (phase, ready, _) = compute_for(&vc(false), waiting(), last.clone(), &[]);
+        assert_eq!((phase, ready), ("Degraded", Some((false, "Waiting"))));
+        let (phase, ready, _) = compute_for(&vc(false), formed(), last, &[]);
+        assert_eq!((phase, ready), ("Degraded", Some((false, "PodsNotReady"))));
     }
 }

@@ -293,10 +293,7 @@ mod tests {
             name: "vc-0-0-0".into(),
             addr: Some(addr),
             ready: true,
-            config_hash: None,
-            deleting: false,
-            node_name: None,
-            announced: Announced::default(),
+            ..NodePod::default()
         };
         let mut pods = Pods::default();
         pods.nodes.insert(node, pod);

@@ -440,6 +440,8 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
     let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let sel = ListParams::default().labels(&format!("{}=vc", labels::INSTANCE));
     let old = hashes(&pod_api.list(&sel).await?.items);
+    let (statuses, recorder) = record_statuses(&client, &ns);
+    let mark = statuses.lock().unwrap_or_else(|p| p.into_inner()).len();
 
     // A writer that keeps every acknowledged key and counts its errors.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -490,6 +492,10 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
     let vc = wait_ready(&client, &ns, "vc", FORM).await?;
     let most_down = most_down.into_inner();
     ensure!(most_down <= 1, "{most_down} pods were down at once");
+    // What the user reads meanwhile: the roll, pod by pod, not a fault.
+    let says = ["pods to restart with the new config", "restarted pod"];
+    changed_visibly(&statuses, mark, "Upgrading", "RollingConfig", &says)?;
+    recorder.abort();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (acked, errors) = writer.await?;
     ensure!(
@@ -694,27 +700,39 @@ fn record_statuses(client: &Client, ns: &str) -> (Statuses, tokio::task::JoinHan
     (seen, task)
 }
 
-/// The statuses written since `from` (an index into the log) show a scale: phase Scaling
-/// with Progressing's message naming `what` (and the shapes), and never a fault (Degraded,
-/// healing, waiting): what a user scaling a healthy cluster should read. Returns the new
-/// end of the log.
-fn scaled_visibly(seen: &Statuses, from: usize, what: &str) -> Result<usize> {
+/// The statuses written since `from` (an index into the log) show a change the user asked
+/// for: phase `phase` with Progressing true for `reason` and a message that has every one of
+/// `says`, and never a fault (Degraded, healing, waiting, pods not ready): what a user
+/// changing a healthy cluster should read. Returns the new end of the log.
+fn changed_visibly(
+    seen: &Statuses,
+    from: usize,
+    phase: &str,
+    reason: &str,
+    says: &[&str],
+) -> Result<usize> {
     let log = seen.lock().unwrap_or_else(|p| p.into_inner());
     let rows = &log[from..];
-    let scaling: Vec<_> = rows.iter().filter(|r| r[0] == "Scaling").collect();
+    let progressing = format!("True/{reason}");
     ensure!(
-        scaling.iter().any(|r| r[2] == "True/Scaling"
-            && r[4].contains(what)
-            && r[4].contains("scaling from")),
-        "no status said Scaling with {what:?}: {rows:#?}"
+        rows.iter()
+            .any(|r| r[0] == phase && r[2] == progressing && says.iter().all(|w| r[4].contains(w))),
+        "no status said {phase} with {says:?}: {rows:#?}"
     );
     for r in rows {
         ensure!(
-            !r[3].starts_with("True") && r[1] != "False/Healing" && r[1] != "False/Waiting",
-            "a status during the scale reads as a fault: {r:?}"
+            !r[3].starts_with("True")
+                && !["False/Healing", "False/Waiting", "False/PodsNotReady"]
+                    .contains(&r[1].as_str()),
+            "a status during the change reads as a fault: {r:?}"
         );
     }
     Ok(log.len())
+}
+
+/// A scale, as [`changed_visibly`] reads it: phase Scaling, with the step `what`.
+fn scaled_visibly(seen: &Statuses, from: usize, what: &str) -> Result<usize> {
+    changed_visibly(seen, from, "Scaling", "Scaling", &[what, "scaling from"])
 }
 
 async fn scaling(env: TestEnv) -> Result<()> {
