@@ -17,6 +17,11 @@
 //!    REPLICATE`): new replicas, a wiped node, a replica that lost its primary;
 //! 7. formed: every slot served, every node agrees the cluster is ok, each shard has one
 //!    primary and its replicas.
+//!
+//! While shards leave (a scale-in moving their slots away, [`Plan::leaving`]), it heals
+//! the nodes that stay (steps 1 to 6) but never forgets a leaving node that answers, moves
+//! no slot between the staying shards and does not call the cluster formed: scale-in does
+//! those, and formation goes on once the nodes have left.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -58,6 +63,9 @@ pub struct Plan {
     /// mode: `cluster-announce-client-ipv4` and `-client-port`). CLUSTER NODES shows that
     /// address, so that is where the others must know it.
     pub announced: BTreeMap<NodeRef, Announced>,
+    /// The pods of nodes on their way out while their shard's slots move away (scale-in):
+    /// members still, whom healing must not forget. Empty otherwise.
+    pub leaving: Vec<SocketAddr>,
     pub timeouts: Timeouts,
 }
 
@@ -208,6 +216,22 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     if seen.is_empty() {
         return Ok(Progress::Waiting("no nodes".into()));
     }
+    // Leaving nodes that answer are members still. (One that does not, and serves no
+    // slot, may be forgotten: it is going anyway.)
+    let mut leaving_ids = BTreeSet::new();
+    for &addr in &plan.leaving {
+        let view = async {
+            let mut client = Client::connect(addr, plan.timeouts).await?;
+            client.cluster_nodes().await
+        };
+        if let Some(me) = view
+            .await
+            .ok()
+            .and_then(|v| v.into_iter().find(|l| l.is_myself()))
+        {
+            leaving_ids.insert(me.id);
+        }
+    }
 
     // 2. Fresh nodes get distinct config epochs before they meet anyone.
     let mut acted = Vec::new();
@@ -254,7 +278,8 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     }
 
     // 4. Forget nodes no pod has any more.
-    let current: BTreeSet<String> = seen.iter().map(|s| s.id.clone()).collect();
+    let mut current: BTreeSet<String> = seen.iter().map(|s| s.id.clone()).collect();
+    current.append(&mut leaving_ids);
     let gone: BTreeSet<String> = seen
         .iter()
         .flat_map(|s| s.view.iter())
@@ -454,6 +479,11 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     }
     if !acted.is_empty() {
         return Ok(Progress::Acted(acted.join("; ")));
+    }
+    if !plan.leaving.is_empty() {
+        return Ok(Progress::Waiting(
+            "the staying nodes are whole; the rest waits for the leaving nodes to go".into(),
+        ));
     }
 
     // 6b. Slots live with their shard: after a scale-out, each primary hands the slots
@@ -953,6 +983,95 @@ mod tests {
             );
             let c = &cluster;
             tokio::task::block_in_place(|| c.restart(target, Restart::SameAddress)).unwrap();
+        }
+    }
+
+    /// Against a real cluster of 3 shards x 1 replica whose shard 2 is leaving (a scale-in
+    /// to 2 shards, its slots still to move): a staying replica reset (a wiped pod back at
+    /// its address, under a new id) is met, its old id forgotten, and it replicates its
+    /// primary again. Meanwhile the leaving nodes stay known to every node, no slot moves
+    /// between the staying shards, and the cluster is not called formed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_staying_nodes_heal_while_a_shard_leaves() {
+        use shardgate_harness::valkey::{ClusterSpec, ValkeyCluster};
+        let cluster = tokio::task::spawn_blocking(|| ValkeyCluster::start(ClusterSpec::new(3, 1)))
+            .await
+            .unwrap()
+            .expect("a three-shard Valkey cluster (run scripts/setup for valkey-server)");
+        let (primary, wiped) = (NodeRef::new(1, 0), NodeRef::new(1, 1));
+        let old_id = cluster.node(wiped).node_id.clone();
+        let addr = |n: NodeRef| cluster.node(n).addr();
+        let mut client = Client::connect(addr(wiped), Timeouts::default())
+            .await
+            .unwrap();
+        client.command(["CLUSTER", "RESET", "HARD"]).await.unwrap();
+
+        let staying: Vec<NodeRef> = (0..2)
+            .flat_map(|s| (0..2).map(move |n| NodeRef::new(s, n)))
+            .collect();
+        let leaving = [NodeRef::new(2, 0), NodeRef::new(2, 1)];
+        let plan = Plan {
+            shards: 2,
+            replicas: 1,
+            nodes: staying.iter().map(|&n| (n, Some(addr(n)))).collect(),
+            announced: BTreeMap::new(),
+            leaving: leaving.iter().map(|&n| addr(n)).collect(),
+            timeouts: Timeouts::default(),
+        };
+        let mut acted = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match step(&plan).await.unwrap() {
+                // Looked at again a second later by the operator; sooner here.
+                Progress::Acted(what) => {
+                    acted.push(what);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Progress::Waiting(why) if why.contains("leaving nodes") => break,
+                // Gossip spreading: look again.
+                Progress::Waiting(why) => {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "still waiting after 60 s: {why}; did {acted:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                other => panic!("{other:?} while shard 2 leaves; did {acted:?}"),
+            }
+        }
+        let did = acted.join("; ");
+        for what in [
+            "introduced",
+            "forgot",
+            &format!("node {wiped} now replicates node {primary}"),
+        ] {
+            assert!(did.contains(what), "no {what:?} in {did}");
+        }
+        assert!(!did.contains("migrating"), "slots moved: {did}");
+        let primary_id = cluster.node(primary).node_id.clone();
+        for n in staying {
+            let view = Client::connect(addr(n), Timeouts::default())
+                .await
+                .unwrap()
+                .cluster_nodes()
+                .await
+                .unwrap();
+            let me = view.iter().find(|l| l.is_myself()).unwrap();
+            if n == wiped {
+                assert_eq!(me.primary_id.as_deref(), Some(primary_id.as_str()));
+                continue;
+            }
+            assert!(
+                view.iter().all(|l| l.id != old_id),
+                "{n} still knows the old id"
+            );
+            for l in leaving {
+                let id = &cluster.node(l).node_id;
+                assert!(
+                    view.iter().any(|v| &v.id == id),
+                    "{n} forgot leaving node {l}"
+                );
+            }
         }
     }
 }

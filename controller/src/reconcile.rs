@@ -7,6 +7,7 @@
 //! ([`crate::status`]). Events are published for every change made and every failure.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -139,8 +140,8 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         );
         publish(ctx, vc, EventType::Warning, "MissingIndexLabel", &note).await;
     }
-    // Nodes the spec no longer has leave first, one at a time; formation and rolling wait
-    // for them (formation would forget a leaving node that still runs).
+    // Nodes the spec no longer has leave first, one at a time. Rolling waits for them, and
+    // so does formation, but for healing the nodes that stay while slots move (below).
     let scaled_in = match scale::remove_extra_nodes(vc, ctx, &pods).await? {
         scale::ScaleIn::Done => None,
         scale::ScaleIn::Acted(what) => {
@@ -157,6 +158,17 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             info!(cluster = %name, "{what}");
             Some(Progress::Waiting(what))
         }
+    };
+    // While a shard's slots move away, its nodes are members still: healing the others
+    // must not forget them.
+    let leaving: Vec<SocketAddr> = match &scaled_in {
+        Some(Progress::Waiting(_)) => pods
+            .nodes
+            .iter()
+            .filter(|(n, _)| !nodes.contains(n))
+            .filter_map(|(_, p)| p.addr)
+            .collect(),
+        _ => Vec::new(),
     };
     // From here on, only the nodes the spec has.
     pods.nodes.retain(|n, _| nodes.contains(n));
@@ -202,23 +214,24 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
                 (*n, a)
             })
             .collect(),
+        leaving,
         timeouts: ctx.timeouts,
     };
     let scaling_in = scaled_in.is_some();
     let mut progress = match scaled_in {
+        // Slots moving take a while: the staying nodes are healed meanwhile (a wiped pod
+        // met and attached again, say), which may be what the move waits for.
+        Some(Progress::Waiting(why)) => match formation::step(&plan).await? {
+            healed @ (Progress::Acted(_) | Progress::Retried(_)) => {
+                formation_events(ctx, vc, &healed).await;
+                healed
+            }
+            _ => Progress::Waiting(why),
+        },
         Some(progress) => progress,
         None => {
             let progress = formation::step(&plan).await?;
-            match &progress {
-                Progress::Acted(what) => {
-                    announce(ctx, vc, "formation", EventType::Normal, "Formation", what).await;
-                }
-                Progress::Retried(what) => {
-                    let reason = "SlotMigrationRetried";
-                    announce(ctx, vc, "formation", EventType::Warning, reason, what).await;
-                }
-                _ => {}
-            }
+            formation_events(ctx, vc, &progress).await;
             progress
         }
     };
@@ -360,6 +373,20 @@ async fn announce(
         info!(cluster = %vc.name_any(), "{what}");
     }
     publish(ctx, vc, kind, reason, what).await;
+}
+
+/// What a formation step did, as an event (a retried migration as a warning).
+async fn formation_events(ctx: &Context, vc: &ValkeyCluster, progress: &Progress) {
+    match progress {
+        Progress::Acted(what) => {
+            announce(ctx, vc, "formation", EventType::Normal, "Formation", what).await;
+        }
+        Progress::Retried(what) => {
+            let reason = "SlotMigrationRetried";
+            announce(ctx, vc, "formation", EventType::Warning, reason, what).await;
+        }
+        Progress::Waiting(_) | Progress::Formed(_) => {}
+    }
 }
 
 /// Publishes an event about `vc`; a failure to publish is logged, not fatal.
