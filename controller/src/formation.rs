@@ -8,7 +8,8 @@
 //! 2. a fresh node gets its config epoch (`CLUSTER SET-CONFIG-EPOCH`), so that the first
 //!    slot assignment does not start with epoch collisions;
 //! 3. nodes the others do not know, or know at an old address (a pod that came back on a
-//!    new IP), are introduced (`CLUSTER MEET`);
+//!    new IP), are introduced (`CLUSTER MEET`), once: not again while the handshake is
+//!    under way;
 //! 4. nodes no pod has any more (a pod wiped and restarted with a new id) are forgotten on
 //!    every node (`CLUSTER FORGET`);
 //! 5. slots no node serves are given to their shard's primary (`CLUSTER ADDSLOTSRANGE`):
@@ -255,7 +256,18 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         .filter(|(i, s)| *i != introducer && !seen[introducer].knows(s))
         .map(|(_, s)| (s.id.clone(), s.addr))
         .collect();
+    let mut greeting = Vec::new();
     for (id, addr) in &strangers {
+        // Met already, the handshake under way: another MEET would do nothing but say so.
+        let handshake = seen[introducer].view.iter().any(|l| {
+            l.has_flag("handshake")
+                && l.ip.parse::<IpAddr>().ok() == Some(addr.ip())
+                && l.port == addr.port()
+        });
+        if handshake {
+            greeting.push(format!("{id:.8} at {addr}"));
+            continue;
+        }
         let (ip, port) = (addr.ip().to_string(), addr.port().to_string());
         seen[introducer]
             .run(&["CLUSTER", "MEET", &ip, &port])
@@ -264,6 +276,12 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     }
     if !acted.is_empty() {
         return Ok(Progress::Acted(acted.join("; ")));
+    }
+    if !greeting.is_empty() {
+        return Ok(Progress::Waiting(format!(
+            "handshake with {} under way",
+            greeting.join(", ")
+        )));
     }
     // Everyone must know everyone before slots and roles are decided.
     for a in &seen {
@@ -1018,7 +1036,16 @@ mod tests {
             leaving: leaving.iter().map(|&n| addr(n)).collect(),
             timeouts: Timeouts::default(),
         };
-        let mut acted = Vec::new();
+        // It is met, and asked again at once (the handshake takes a cluster tick or more):
+        // not met again while that is under way.
+        let first = step(&plan).await.unwrap();
+        assert!(
+            matches!(&first, Progress::Acted(w) if w.starts_with("introduced")),
+            "{first:?}"
+        );
+        let again = step(&plan).await.unwrap();
+        assert!(!again.to_string().contains("introduced"), "{again}");
+        let mut acted = vec![first.to_string()];
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             match step(&plan).await.unwrap() {
