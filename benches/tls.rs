@@ -257,6 +257,7 @@ fn main() {
     std::fs::write(&pem, both).expect("haproxy.pem");
     let haproxy = Haproxy::start(pki.dir(), valkey.port, &pem);
     let reconnect = (requests / 20).max(2000);
+    let p16: Vec<String> = vec!["-P".into(), "16".into()];
     let cases: Vec<(&str, u16, Vec<String>, u64, bool)> = vec![
         ("direct", valkey.port, vec![], requests, true),
         ("plain", base, vec![], requests, true),
@@ -270,14 +271,38 @@ fn main() {
             false,
         ),
         ("haproxy_plain", haproxy.plain, vec![], requests, true),
-        ("haproxy_tls", haproxy.tls, tls_args, requests, true),
+        ("haproxy_tls", haproxy.tls, tls_args.clone(), requests, true),
+        // Pipelined: the load generator's own TLS costs less per request, so the proxy's
+        // share of the difference shows.
+        ("plain_p16", base, p16.clone(), requests * 4, true),
+        (
+            "tls_p16",
+            tls_port,
+            [&tls_args[..], &p16].concat(),
+            requests * 4,
+            true,
+        ),
+        (
+            "haproxy_plain_p16",
+            haproxy.plain,
+            p16.clone(),
+            requests * 4,
+            true,
+        ),
+        (
+            "haproxy_tls_p16",
+            haproxy.tls,
+            [&tls_args[..], &p16].concat(),
+            requests * 4,
+            true,
+        ),
     ];
     let haproxy_pid = haproxy.child.id();
     // Warm up both paths.
     run(base, &[], 5000, true);
     println!(
         "proxy: 1 worker thread; redis-benchmark -c 50 -d 64; {requests} requests per test \
-         ({reconnect} for the reconnect cases)\n"
+         ({reconnect} for the reconnect cases, 4 times as many at pipeline 16)\n"
     );
     println!(
         "{:<16} {:>12} {:>12} {:>12} {:>16} {:>10}",
@@ -354,6 +379,18 @@ fn main() {
             "  shardgate plain / haproxy plain rps      {:.2}",
             p.1 / hp.1
         );
+    }
+    for (what, plain, tls) in [
+        ("shardgate", "plain_p16", "tls_p16"),
+        ("haproxy", "haproxy_plain_p16", "haproxy_tls_p16"),
+    ] {
+        if let (Some(p), Some(t)) = (find(plain), find(tls)) {
+            println!(
+                "  {what} pipeline 16: tls / plain rps {:.2}, CPU per request {:.2}",
+                t.1 / p.1,
+                t.2 / p.2
+            );
+        }
     }
     drop(haproxy);
     runtime.block_on(proxy.shutdown());
