@@ -27,8 +27,9 @@ pub struct Context {
     pub backoff: crate::reconcile::Backoff,
     /// Whether Gateway API is served: found by [`crate::run`] at start-up.
     pub gateway_api: GatewayApi,
-    /// The clusters already told that Gateway API is missing (one Event each).
-    pub gateway_warned: crate::reconcile::Warned,
+    /// The one-time warnings already published, by cluster and reason (one Event each per
+    /// operator run, not one per reconcile).
+    pub warned: crate::reconcile::Warned,
     /// The proxy's image in proxy mode, unless a cluster names its own.
     pub proxy_image: String,
 }
@@ -47,7 +48,7 @@ impl Context {
             timeouts: Timeouts::default(),
             backoff: Default::default(),
             gateway_api: GatewayApi::Missing("not looked for yet".into()),
-            gateway_warned: Default::default(),
+            warned: Default::default(),
             proxy_image: DEFAULT_PROXY_IMAGE.into(),
         }
     }

@@ -9,7 +9,8 @@
 //! - [`pods`]: each node's pod (address, readiness, config hash) from the index labels.
 //! - [`formation`]: forming and healing the cluster over RESP (MEET, FORGET, ADDSLOTSRANGE,
 //!   REPLICATE), one step per reconcile.
-//! - [`rolling`]: config changes, one pod at a time, replicas first, failover first.
+//! - [`rolling`]: config, image and resources changes, one pod at a time, replicas first,
+//!   failover first.
 //! - [`scale`]: removing the nodes a smaller `replicas` no longer has (failover first).
 //! - [`status`]: conditions, phase and counts, written with server-side apply.
 //! - [`leader`]: leader election on a Lease.

@@ -74,6 +74,20 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .validate()
         .map_err(|e| Error::Invalid(e.to_string()))?;
 
+    if let Some(tls) = vc
+        .spec
+        .tls
+        .as_ref()
+        .filter(|_| ctx.first_warning(vc, "TLSNotConfigured"))
+    {
+        let note = format!(
+            "spec.tls is set, but this operator version does not configure TLS on the Valkey \
+             nodes: Secret {} is not mounted, and the nodes serve and announce plain RESP \
+             (proxy mode's passthrough, which needs nodes that speak TLS, cannot work)",
+            tls.secret_name
+        );
+        publish(ctx, vc, EventType::Warning, "TLSNotConfigured", &note).await;
+    }
     let hash = configmap::apply_config(vc, ctx).await?;
     service::apply_headless(vc, ctx).await?;
     // External Services before the StatefulSets: the nodes announce what the API server
@@ -102,12 +116,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .as_ref()
         .filter(|r| r.reason == "GatewayAPIUnavailable")
     {
-        // Once per cluster (and operator run), not on every reconcile.
-        let first = ctx
-            .gateway_warned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(ObjectRef::from_obj(vc));
+        let first = ctx.first_warning(vc, "GatewayAPIUnavailable");
         if first {
             let note = format!(
                 "externalAccess.gateway is set but {}; no TCPRoute is made (install the Gateway \
@@ -118,12 +127,12 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         }
     }
     let nodes: Vec<_> = vc.spec.node_refs().collect();
-    // Each node's pods run with the config's hash and their announce flags' (a change of
-    // either rolls them).
+    // Each node's pods carry the hash of what they run with: config, announce flags, image
+    // and resources (a change of any rolls them).
     let mut hashes = BTreeMap::new();
     for &node in &nodes {
         let args = external::announce::args(vc, ea, node, exposures.get(&node));
-        let node_hash = external::announce::node_hash(&hash, &args);
+        let node_hash = statefulset::pod_hash(vc, &hash, &args)?;
         statefulset::apply_node(vc, ctx, node, &node_hash, &args).await?;
         hashes.insert(node, node_hash);
     }
@@ -337,6 +346,13 @@ pub fn error_policy(vc: Arc<ValkeyCluster>, error: &Error, ctx: Arc<Context>) ->
 }
 
 impl Context {
+    /// Whether the one-time warning `reason` is still to be published for `vc` (true once
+    /// per cluster and operator run).
+    fn first_warning(&self, vc: &ValkeyCluster, reason: &'static str) -> bool {
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        warned.insert((ObjectRef::from_obj(vc), reason))
+    }
+
     /// The cluster's consecutive failures, counted up by one (`None`) or set.
     fn failures(&self, vc: &ValkeyCluster, set: Option<u32>) -> u32 {
         let key = ObjectRef::from_obj(vc);
@@ -350,8 +366,8 @@ impl Context {
 /// Per-cluster consecutive failures, for the backoff.
 pub type Backoff = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
 
-/// The clusters a one-time warning was published for.
-pub type Warned = Arc<Mutex<HashSet<ObjectRef<ValkeyCluster>>>>;
+/// The clusters a one-time warning was published for, with its reason.
+pub type Warned = Arc<Mutex<HashSet<(ObjectRef<ValkeyCluster>, &'static str)>>>;
 
 /// Something the operator did to `vc`: counted by `action`, logged (a Warning as a
 /// warning), and published as an event.

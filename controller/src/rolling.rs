@@ -1,8 +1,9 @@
-//! Rolling a config change: the StatefulSets use `OnDelete`, and the operator replaces the
-//! pods itself, one at a time, only while the cluster is formed and every pod ready:
-//! replicas first; a primary only after a `CLUSTER FAILOVER` has made one of its replicas
-//! the primary (graceful: no acknowledged write lost), so that it is a replica when its
-//! pod goes.
+//! Rolling a change that running pods cannot take on (config, image, resources, announce
+//! flags: [`crate::statefulset::pod_hash`]): the StatefulSets use `OnDelete`, and the
+//! operator replaces the pods itself, one at a time, only while the cluster is formed and
+//! every pod ready: replicas first; a primary only after a `CLUSTER FAILOVER` has made one
+//! of its replicas the primary (graceful: no acknowledged write lost), so that it is a
+//! replica when its pod goes.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams};

@@ -8,10 +8,10 @@ use kube::api::Api;
 use kube::ResourceExt;
 use serde_json::{json, Value};
 use shardgate_crds::names::objects;
-use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_crds::valkey_cluster::{defaults, ValkeyCluster};
 use shardgate_crds::NodeRef;
 
-use crate::configmap::{BUS_PORT, CLIENT_PORT};
+use crate::configmap::{self, BUS_PORT, CLIENT_PORT};
 use crate::context::Context;
 use crate::error::Result;
 use crate::objects::{apply, build, namespace, node_labels, owner};
@@ -23,8 +23,34 @@ pub const CONFIG_HASH: &str = "shardgate.io/config-hash";
 const CONFIG_DIR: &str = "/config";
 const DATA_DIR: &str = "/data";
 
-/// The StatefulSet of `node`, whose pods run with the config of hash `config_hash` (see
-/// [`crate::external::announce::node_hash`]) and announce their external endpoint with
+/// The hash a node's pods carry ([`CONFIG_HASH`]): of everything a running pod cannot take
+/// on without a restart, so that a change of any of it rolls the pods ([`crate::rolling`];
+/// the StatefulSets use `OnDelete`). That is the config (`config_hash`), the node's own
+/// flags (`args`: announce mode), the image and the resources. A part at its default (no
+/// flags, the default image, no resources) adds nothing, so that a cluster without it keeps
+/// the hash it had before the part was added: an operator upgrade does not roll it.
+pub fn pod_hash(vc: &ValkeyCluster, config_hash: &str, args: &[String]) -> Result<String> {
+    let mut parts = args.to_vec();
+    if vc.spec.image != defaults::IMAGE {
+        parts.push(format!("image={}", vc.spec.image));
+    }
+    if let Some(resources) = &vc.spec.resources {
+        let json =
+            serde_json::to_string(resources).map_err(|source| crate::error::Error::Build {
+                what: "resources".into(),
+                source,
+            })?;
+        parts.push(format!("resources={json}"));
+    }
+    Ok(if parts.is_empty() {
+        config_hash.to_string()
+    } else {
+        configmap::hash(&format!("{config_hash}\n{}", parts.join("\n")))
+    })
+}
+
+/// The StatefulSet of `node`, whose pods run with the hash `config_hash` (see [`pod_hash`])
+/// and announce their external endpoint with
 /// `announce` (none without external access in announce mode).
 pub fn build_node(
     vc: &ValkeyCluster,
@@ -150,4 +176,41 @@ pub async fn apply_node(
 ) -> Result<StatefulSet> {
     let sts = build_node(vc, node, config_hash, announce)?;
     apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &sts).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ResourceRequirements;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+    /// Each part of what a pod runs with changes the hash; parts at their defaults leave
+    /// it as it was before they counted (the config's, or the config's and the flags').
+    #[test]
+    fn the_pod_hash_covers_what_a_running_pod_cannot_take_on() {
+        let mut vc = ValkeyCluster::test("vc");
+        let flags = ["--x".to_string(), "1".to_string()];
+        let hash = |vc: &ValkeyCluster, args: &[String]| pod_hash(vc, "abc", args).unwrap();
+        assert_eq!(hash(&vc, &[]), "abc");
+        // The hash announce flags gave before image and resources counted.
+        assert_eq!(hash(&vc, &flags), configmap::hash("abc\n--x\n1"));
+
+        vc.spec.image = "valkey/valkey:9.1".into();
+        let image = hash(&vc, &[]);
+        assert_ne!(image, "abc");
+        assert_ne!(hash(&vc, &flags), image);
+        assert_ne!(hash(&vc, &flags), configmap::hash("abc\n--x\n1"));
+        vc.spec.image = defaults::IMAGE.into();
+        assert_eq!(hash(&vc, &[]), "abc", "back to the default image");
+
+        let memory = |q: &str| ResourceRequirements {
+            limits: Some([("memory".to_string(), Quantity(q.into()))].into()),
+            ..ResourceRequirements::default()
+        };
+        vc.spec.resources = Some(memory("1Gi"));
+        let one = hash(&vc, &[]);
+        vc.spec.resources = Some(memory("2Gi"));
+        let two = hash(&vc, &[]);
+        assert!(one != "abc" && two != "abc" && one != two, "{one} {two}");
+    }
 }

@@ -123,7 +123,11 @@ pub struct ValkeyClusterSpec {
     #[x_kube(validation = reserved_config_rule())]
     pub config: BTreeMap<String, String>,
 
-    /// TLS between clients and nodes and among the nodes.
+    /// TLS between clients and nodes and among the nodes, with this Secret's certificate.
+    /// Not acted on yet: this operator version does not mount the Secret or configure TLS
+    /// on the nodes, which serve and announce plain RESP; a Warning event
+    /// `TLSNotConfigured` says so. Terminate TLS in front of them with the proxy
+    /// (`externalAccess.proxy.tls`) instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsSpec>,
 

@@ -1,6 +1,5 @@
 //! What a node announces (Valkey 9): its external client port
-//! (`--cluster-announce-client-port`, or `--cluster-announce-client-tls-port` under
-//! `spec.tls`), its hostname (`--cluster-announce-hostname`: its own name under `domain`,
+//! (`--cluster-announce-client-port`), its hostname (`--cluster-announce-hostname`: its own name under `domain`,
 //! else an `advertisedHost` that is a DNS name), and an `advertisedHost` that is an IP (`--cluster-announce-client-ipv4`/`-ipv6`: clients get
 //! it, while gossip and replication stay on the pod IP of `--cluster-announce-ip`).
 //! `cluster-preferred-endpoint-type` is in `valkey.conf` ([`crate::configmap`]).
@@ -19,7 +18,6 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 
 use super::Exposure;
-use crate::configmap;
 use crate::formation::Announced;
 use crate::pods::Pods;
 
@@ -35,12 +33,12 @@ pub fn args(
     };
     let mut args = Vec::new();
     if let Some(port) = exposure.and_then(Exposure::external_port) {
-        let flag = if vc.spec.tls.is_some() {
-            "--cluster-announce-client-tls-port"
-        } else {
-            "--cluster-announce-client-port"
-        };
-        args.extend([flag.to_string(), port.to_string()]);
+        // The plain port: the nodes speak plain RESP (`spec.tls` is not acted on yet; a TLS
+        // port announced for a node without one would hand plain clients the pod's port).
+        args.extend([
+            "--cluster-announce-client-port".to_string(),
+            port.to_string(),
+        ]);
     }
     if let Some(hostname) = hostname(vc, ea, node) {
         args.extend(["--cluster-announce-hostname".to_string(), hostname]);
@@ -189,17 +187,6 @@ async fn config_get(c: &mut Client, key: &str) -> Result<String, shardgate_admin
     })
 }
 
-/// The hash a node's pod runs with: the config's, or, with announce flags, a hash of both
-/// (a node without flags keeps the config's hash, so that clusters without external access
-/// are not rolled by this).
-pub fn node_hash(config_hash: &str, args: &[String]) -> String {
-    if args.is_empty() {
-        config_hash.to_string()
-    } else {
-        configmap::hash(&format!("{config_hash}\n{}", args.join("\n")))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,12 +223,12 @@ mod tests {
             ]
         );
         // A LoadBalancer: its port (the ingress IP comes at run time, without a restart);
-        // TLS: the TLS port.
+        // with `spec.tls`, still the plain port (the operator does not configure TLS yet).
         let tls = ValkeyCluster::test("vc").tls("certs");
         let lb = exposure(ServiceType::LoadBalancer);
         assert_eq!(
             args(&tls, Some(&ExternalAccess::announce()), node, Some(&lb)),
-            ["--cluster-announce-client-tls-port", "6380"]
+            ["--cluster-announce-client-port", "6380"]
         );
         // A host name is not an IP: without a domain, it is the node's hostname.
         ea.advertised_host = Some("valkey.example.com".into());
@@ -265,16 +252,6 @@ mod tests {
         );
         let pod: std::net::SocketAddr = "127.1.0.5:6379".parse().unwrap();
         assert_eq!(shown.shown(pod).to_string(), "127.1.0.5:31001");
-    }
-
-    #[test]
-    fn hash_covers_the_flags() {
-        assert_eq!(node_hash("abc", &[]), "abc");
-        let a = node_hash("abc", &["--x".into(), "1".into()]);
-        let b = node_hash("abc", &["--x".into(), "2".into()]);
-        assert_ne!(a, b);
-        assert_ne!(a, "abc");
-        assert_eq!(a.len(), 16);
     }
 
     /// Against a real node: an IP is set at run time, and cleared again once the node's

@@ -1,11 +1,12 @@
 //! The operator on an API server without Gateway API (its CRDs not installed): a cluster
 //! that asks for a gateway still runs, and is told what is missing once, not on every
-//! reconcile. Its own control plane (the other suites install Gateway API).
+//! reconcile; so is a cluster whose `spec.tls` the operator does not act on. Its own
+//! control plane (the other suites install Gateway API).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, ListParams};
 use serde_json::json;
@@ -14,7 +15,7 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_kube_harness::{Options, TestEnv};
 use shardgate_operator_e2e::external::{external_cluster, FORM};
 use shardgate_operator_e2e::{
-    condition, create, eventually, reconcile_again, wait_ready, Operator,
+    condition, create, eventually, pod_addrs, reconcile_again, wait_ready, Operator,
 };
 
 fn main() -> ExitCode {
@@ -28,7 +29,7 @@ fn main() -> ExitCode {
     suite
         .timeout(Duration::from_secs(300))
         .test(
-            "without_gateway_api_a_gateway_cluster_runs_and_is_warned_once",
+            "without_gateway_api_a_gateway_cluster_runs_and_is_warned_once_and_so_is_an_unconfigured_tls",
             warned_once,
         )
         .run()
@@ -42,7 +43,9 @@ async fn warned_once(env: TestEnv) -> Result<()> {
         "mode": "announce",
         "gateway": { "gatewayRef": { "name": "gw" }, "basePort": 31000 },
     });
-    create(&client, &ns, &external_cluster("vc", 1, 1, external)?).await?;
+    let mut vc = external_cluster("vc", 1, 1, external)?;
+    vc.spec.tls = serde_json::from_value(json!({ "secretName": "vc-tls" }))?;
+    create(&client, &ns, &vc).await?;
     // The cluster itself does not need Gateway API.
     wait_ready(&client, &ns, "vc", FORM).await?;
     let api = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
@@ -83,25 +86,71 @@ async fn warned_once(env: TestEnv) -> Result<()> {
         reconcile_again(&api, &operator, "vc", i).await?;
     }
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
-    let warnings: Vec<_> = events
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| e.reason.as_deref() == Some("GatewayAPIUnavailable"))
-        .collect();
-    ensure!(warnings.len() == 1, "{warnings:?}");
-    // Not one event repeated as a series either.
+    let all = events.list(&ListParams::default()).await?.items;
+    for (reason, says) in [
+        ("GatewayAPIUnavailable", "gateway.networking.k8s.io"),
+        ("TLSNotConfigured", "Secret vc-tls is not mounted"),
+    ] {
+        let warnings: Vec<_> = all
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .collect();
+        ensure!(warnings.len() == 1, "{reason}: {warnings:?}");
+        // Not one event repeated as a series either.
+        ensure!(
+            warnings[0].series.as_ref().is_none_or(|s| s.count <= 1),
+            "{:?}",
+            warnings[0].series
+        );
+        ensure!(
+            warnings[0].type_.as_deref() == Some("Warning")
+                && warnings[0]
+                    .note
+                    .as_deref()
+                    .is_some_and(|n| n.contains(says)),
+            "{:?}",
+            warnings[0]
+        );
+    }
+    // The nodes speak plain RESP, so they announce their plain port: a plain client is
+    // handed the Gateway's listener ports (31000 + node), not the pod's 6379 beside a TLS
+    // port nothing serves.
+    let addrs = pod_addrs(&client, &ns, "vc").await?;
+    let seed = addrs.values().next().context("a pod address")?;
+    let mut conn = redis::Client::open(format!("redis://{seed}"))?
+        .get_multiplexed_async_connection()
+        .await?;
+    let slots: redis::Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn)
+        .await?;
+    let ports = slot_ports(&slots);
     ensure!(
-        warnings[0].series.as_ref().is_none_or(|s| s.count <= 1),
-        "{:?}",
-        warnings[0].series
-    );
-    ensure!(
-        warnings[0].type_.as_deref() == Some("Warning"),
-        "{:?}",
-        warnings[0]
+        !ports.is_empty() && ports.iter().all(|p| [31000, 31001].contains(p)),
+        "CLUSTER SLOTS hands out ports {ports:?}"
     );
     operator.stop().await;
     Ok(())
+}
+
+/// The node ports in a CLUSTER SLOTS reply (each range's nodes: `[ip, port, id, ...]`).
+fn slot_ports(slots: &redis::Value) -> Vec<i64> {
+    let redis::Value::Array(ranges) = slots else {
+        return Vec::new();
+    };
+    ranges
+        .iter()
+        .filter_map(|r| match r {
+            redis::Value::Array(r) => Some(r.iter().skip(2)),
+            _ => None,
+        })
+        .flatten()
+        .filter_map(|node| match node {
+            redis::Value::Array(n) => match n.get(1) {
+                Some(redis::Value::Int(port)) => Some(*port),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
 }

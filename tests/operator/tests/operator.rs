@@ -52,7 +52,7 @@ fn main() -> ExitCode {
             new_ip_and_wiped_primary_rejoin,
         )
         .test(
-            "a_config_change_rolls_pods_one_at_a_time_losing_no_acknowledged_write",
+            "a_config_change_and_a_new_image_roll_pods_one_at_a_time_losing_no_acknowledged_write",
             config_change_rolls,
         )
         .test(
@@ -423,6 +423,37 @@ async fn new_ip_and_wiped_primary_rejoin(env: TestEnv) -> Result<()> {
     Ok(())
 }
 
+/// Waits until `done` holds for the pods of "vc" (4 of them), one pod at a time: returns
+/// the most pods seen down (not ready, or going) at once.
+async fn rolled(
+    pod_api: &Api<Pod>,
+    what: &str,
+    done: impl Fn(&[Pod]) -> Result<()>,
+) -> Result<usize> {
+    let sel = ListParams::default().labels(&format!("{}=vc", labels::INSTANCE));
+    let most_down = std::sync::atomic::AtomicUsize::new(0);
+    eventually(what, Duration::from_secs(400), || async {
+        let pods = pod_api.list(&sel).await?.items;
+        let down = pods
+            .iter()
+            .filter(|p| {
+                let ready = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                !ready || p.metadata.deletion_timestamp.is_some()
+            })
+            .count()
+            + 4usize.saturating_sub(pods.len());
+        most_down.fetch_max(down, std::sync::atomic::Ordering::Relaxed);
+        ensure!(pods.len() == 4, "{} pods", pods.len());
+        done(&pods)
+    })
+    .await?;
+    Ok(most_down.into_inner())
+}
+
 async fn config_change_rolls(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, .. } = env;
     let operator = Operator::start(&client, &ns);
@@ -451,51 +482,56 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
         stop.clone(),
     );
 
-    Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
-        .patch(
-            "vc",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "config": { "maxmemory-policy": "allkeys-lru" } } })),
-        )
-        .await?;
+    let vcs = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
+    let patch = |spec: serde_json::Value| {
+        let vcs = vcs.clone();
+        async move {
+            vcs.patch(
+                "vc",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": spec })),
+            )
+            .await
+        }
+    };
+    patch(json!({ "config": { "maxmemory-policy": "allkeys-lru" } })).await?;
     // One pod at a time: never two of the cluster's pods down together.
-    let most_down = std::sync::atomic::AtomicUsize::new(0);
-    eventually(
-        "every pod on the new config",
-        Duration::from_secs(400),
-        || async {
-            let pods = pod_api.list(&sel).await?.items;
-            let down = pods
-                .iter()
-                .filter(|p| {
-                    let ready = p
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.conditions.as_ref())
-                        .is_some_and(|c| {
-                            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                        });
-                    !ready || p.metadata.deletion_timestamp.is_some()
-                })
-                .count()
-                + 4usize.saturating_sub(pods.len());
-            most_down.fetch_max(down, std::sync::atomic::Ordering::Relaxed);
-            let now = hashes(&pods);
-            ensure!(
-                now.len() == 4 && now.values().all(|h| !old.values().any(|o| o == h)),
-                "hashes {now:?}"
-            );
-            Ok(())
-        },
-    )
+    let most_down = rolled(&pod_api, "every pod on the new config", |pods| {
+        let now = hashes(pods);
+        ensure!(
+            now.values().all(|h| !old.values().any(|o| o == h)),
+            "hashes {now:?}"
+        );
+        Ok(())
+    })
     .await?;
-    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
-    let most_down = most_down.into_inner();
     ensure!(most_down <= 1, "{most_down} pods were down at once");
+    wait_ready(&client, &ns, "vc", FORM).await?;
     // What the user reads meanwhile: the roll, pod by pod, not a fault.
     let says = ["pods to restart with the new config", "restarted pod"];
+    let mark = changed_visibly(&statuses, mark, "Upgrading", "RollingConfig", &says)?;
+
+    // A new Valkey image rolls the pods the same way (the StatefulSets use OnDelete: only
+    // the operator replaces pods).
+    let image = "valkey/valkey:9.0-rolled";
+    patch(json!({ "image": image })).await?;
+    let most_down = rolled(&pod_api, "every pod on the new image", |pods| {
+        let images: Vec<_> = pods
+            .iter()
+            .filter_map(|p| p.spec.as_ref()?.containers.first()?.image.clone())
+            .collect();
+        ensure!(
+            images.len() == 4 && images.iter().all(|i| i == image),
+            "images {images:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    ensure!(most_down <= 1, "{most_down} pods were down at once");
+    let vc = wait_ready(&client, &ns, "vc", FORM).await?;
     changed_visibly(&statuses, mark, "Upgrading", "RollingConfig", &says)?;
     recorder.abort();
+
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (acked, errors) = writer.await?;
     ensure!(
@@ -512,10 +548,10 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
     let mut conn = cluster_client(pod_addrs(&client, &ns, "vc").await?.values().copied()).await?;
     for key in &acked {
         let v: Option<String> = conn.get(key).await?;
-        ensure!(v.is_some(), "acknowledged {key} lost in the roll");
+        ensure!(v.is_some(), "acknowledged {key} lost in the rolls");
     }
     eprintln!(
-        "rolled 4 pods: {} writes acknowledged, {errors} failed, none lost",
+        "rolled 4 pods twice: {} writes acknowledged, {errors} failed, none lost",
         acked.len()
     );
     ensure!(condition(&vc, "Ready").is_some_and(|c| c.0 == "True"));
