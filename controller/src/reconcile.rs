@@ -256,17 +256,19 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .copied()
         .collect();
     if let Progress::Formed(formed) = &progress {
-        if let Some(what) = rolling::step(vc, ctx, &pods, formed, &stale).await? {
-            announce(
-                ctx,
-                vc,
-                "rolling",
-                EventType::Normal,
-                "RollingConfig",
-                &what,
-            )
-            .await;
-            progress = Progress::Acted(what);
+        match rolling::step(vc, ctx, &pods, formed, &stale).await? {
+            Some(rolling::Step::Acted(what)) => {
+                let (kind, reason) = (EventType::Normal, "RollingConfig");
+                announce(ctx, vc, "rolling", kind, reason, &what).await;
+                progress = Progress::Acted(what);
+            }
+            Some(rolling::Step::Blocked(why)) => {
+                if ctx.first_warning(vc, "RollingBlocked") {
+                    publish(ctx, vc, EventType::Warning, "RollingBlocked", &why).await;
+                }
+                progress = Progress::Waiting(why);
+            }
+            None => {}
         }
     }
 

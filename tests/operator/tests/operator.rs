@@ -612,19 +612,56 @@ async fn leader_election(env: TestEnv) -> Result<()> {
         Ok(())
     })
     .await?;
-    // It reconciles: a change is acted on.
-    Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
-        .patch(
-            "vc",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "config": { "maxmemory-policy": "allkeys-lru" } } })),
-        )
-        .await?;
-    wait_ready(&client, &ns, "vc", FORM).await?;
+    // It reconciles: a change is acted on. Here a config change of a cluster with no replica
+    // and no persistence, which the roll must not restart (its only copy of the data lives
+    // in the pod): status says so, and the pod stays.
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let uids = || async {
+        let sel = ListParams::default().labels(&format!("{}=vc", labels::INSTANCE));
+        let pods = pod_api.list(&sel).await?.items;
+        Ok::<_, anyhow::Error>(pods.into_iter().map(|p| p.uid()).collect::<Vec<_>>())
+    };
+    let before = uids().await?;
+    let vcs = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
+    vcs.patch(
+        "vc",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "config": { "maxmemory-policy": "allkeys-lru" } } })),
+    )
+    .await?;
+    let vc = eventually("the roll stopped before the only copy", FORM, || async {
+        let vc = vcs.get("vc").await?;
+        let progressing = condition(&vc, "Progressing");
+        ensure!(
+            vc.status.as_ref().and_then(|s| s.observed_generation) == vc.metadata.generation
+                && progressing
+                    .as_ref()
+                    .is_some_and(|(s, reason, message)| s == "True"
+                        && reason == "RollingConfig"
+                        && message.contains("only copy")),
+            "Progressing: {progressing:?}"
+        );
+        Ok(vc)
+    })
+    .await?;
     ensure!(
         second.reconciles.get() > 0,
         "the new leader did not reconcile"
     );
+    let phase = vc
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .map(|p| p.to_string());
+    ensure!(phase.as_deref() == Some("Upgrading"), "phase {phase:?}");
+    // A few more looks (one every 3 s while it waits), and still the same pod.
+    let reconciles = second.reconciles.get();
+    eventually("more reconciles", Duration::from_secs(60), || async {
+        ensure!(second.reconciles.get() >= reconciles + 3);
+        Ok(())
+    })
+    .await?;
+    ensure!(uids().await? == before, "the only copy's pod was restarted");
     eprintln!(
         "standby took over {:?} after the leader died",
         killed.elapsed()
