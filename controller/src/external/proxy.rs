@@ -360,14 +360,23 @@ where
     apply(&Api::<K>::namespaced(ctx.client.clone(), ns), obj).await
 }
 
-/// Deletes the proxy's objects named `name`, if the operator made them: the Deployment (by
-/// its label) is the mark, so that a cluster that never had a proxy costs one read.
+/// Deletes the proxy's objects named `name`, if the operator made them. The Service (made
+/// first, always) or the Deployment (made last, once there is an address to hand out),
+/// labelled as the proxy's, is the mark: a cluster that never had a proxy costs two reads.
 async fn remove(ctx: &Context, ns: &str, name: &str) -> Result<()> {
-    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns);
-    let Some(d) = deployments.get_opt(name).await? else {
-        return Ok(());
+    let ours = |labels: &BTreeMap<String, String>| {
+        labels.get(labels::COMPONENT).map(String::as_str) == Some(COMPONENT_PROXY)
     };
-    if d.labels().get(labels::COMPONENT).map(String::as_str) != Some(COMPONENT_PROXY) {
+    let services = Api::<Service>::namespaced(ctx.client.clone(), ns);
+    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns);
+    let marked = match services.get_opt(name).await? {
+        Some(svc) if ours(svc.labels()) => true,
+        _ => deployments
+            .get_opt(name)
+            .await?
+            .is_some_and(|d| ours(d.labels())),
+    };
+    if !marked {
         return Ok(());
     }
     delete::<Deployment>(ctx, ns, name).await?;

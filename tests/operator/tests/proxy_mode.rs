@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context as _, Result};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Service;
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use shardgate_admin_client::{Client as Admin, Timeouts};
 use shardgate_crds::names::objects;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 use shardgate_harness::clients::{cli, redis_benchmark_cluster, redis_py_set_get};
 use shardgate_kube_harness::{Fault, TestEnv};
@@ -53,6 +54,10 @@ fn main() -> ExitCode {
         .test(
             "proxy_mode_shards_3_to_4_under_an_outside_writer_lose_nothing",
             scale_out,
+        )
+        .test(
+            "proxy_mode_off_deletes_every_proxy_object_also_before_a_proxy_ran",
+            mode_off,
         )
         .run()
 }
@@ -479,6 +484,111 @@ async fn scale_out(env: TestEnv) -> Result<()> {
         "proxy scale-out: {} writes acknowledged, {errors} failed, none lost",
         acked.len()
     );
+    operator.stop().await;
+    Ok(())
+}
+
+/// Which of the proxy's objects (all named `vc-proxy`) exist, by kind.
+async fn proxy_objects(client: &kube::Client, ns: &str) -> Result<Vec<&'static str>> {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let name = "vc-proxy";
+    let c = || client.clone();
+    let mut found = Vec::new();
+    if Api::<Deployment>::namespaced(c(), ns)
+        .get_opt(name)
+        .await?
+        .is_some()
+    {
+        found.push("Deployment");
+    }
+    if Api::<Service>::namespaced(c(), ns)
+        .get_opt(name)
+        .await?
+        .is_some()
+    {
+        found.push("Service");
+    }
+    if Api::<PodDisruptionBudget>::namespaced(c(), ns)
+        .get_opt(name)
+        .await?
+        .is_some()
+    {
+        found.push("PodDisruptionBudget");
+    }
+    if Api::<ServiceAccount>::namespaced(c(), ns)
+        .get_opt(name)
+        .await?
+        .is_some()
+    {
+        found.push("ServiceAccount");
+    }
+    if Api::<Role>::namespaced(c(), ns)
+        .get_opt(name)
+        .await?
+        .is_some()
+    {
+        found.push("Role");
+    }
+    if Api::<RoleBinding>::namespaced(c(), ns)
+        .get_opt(name)
+        .await?
+        .is_some()
+    {
+        found.push("RoleBinding");
+    }
+    Ok(found)
+}
+
+/// Turning proxy mode off deletes the proxy's objects: once when the proxy never ran (a
+/// NodePort Service without `advertisedHost`: no address to hand out, so no Deployment),
+/// and once after it ran behind a LoadBalancer.
+async fn mode_off(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = &env;
+    let operator = Operator::start(client, ns);
+    let vcs = Api::<ValkeyCluster>::namespaced(client.clone(), ns);
+    let set_external = |external: serde_json::Value| {
+        let vcs = vcs.clone();
+        async move {
+            let patch = json!({ "spec": { "externalAccess": external } });
+            vcs.patch("vc", &PatchParams::default(), &Patch::Merge(patch))
+                .await
+        }
+    };
+    let mut no_address = proxy_access(32600);
+    no_address["proxy"]["serviceType"] = json!("NodePort");
+    create(client, ns, &external_cluster("vc", 1, 0, no_address)?).await?;
+    let without_deployment = [
+        "Service",
+        "PodDisruptionBudget",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+    ];
+    eventually("the proxy's objects but its Deployment", FORM, || async {
+        let found = proxy_objects(client, ns).await?;
+        ensure!(found == without_deployment, "{found:?}");
+        Ok(())
+    })
+    .await?;
+    set_external(json!(null)).await?;
+    let gone = || async {
+        eventually("every proxy object gone", FORM, || async {
+            let found = proxy_objects(client, ns).await?;
+            ensure!(found.is_empty(), "{found:?}");
+            Ok(())
+        })
+        .await
+    };
+    gone().await?;
+
+    set_external(proxy_access(32600)).await?;
+    wait_external_ready(client, ns, "vc").await?;
+    let found = proxy_objects(client, ns).await?;
+    ensure!(found.len() == 6, "{found:?}");
+    set_external(json!(null)).await?;
+    gone().await?;
     operator.stop().await;
     Ok(())
 }
