@@ -403,14 +403,17 @@ fn proxy_service_type() -> ServiceType {
         .message("secretName is required when mode is terminate")
         .field_path(".secretName")
         .reason(Reason::FieldValueRequired),
+    validation = Rule::new("!has(self.verifyClients) || !self.verifyClients || !has(self.mode) || self.mode == 'terminate'")
+        .message(crate::validation::VERIFY_CLIENTS_NEEDS_TERMINATE)
+        .field_path(".verifyClients"),
 )]
 pub struct ProxyTls {
     /// The TLS port; outside the node ports (`basePort` to `basePort + shards * stride - 1`).
     #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
 
-    /// The Secret (`tls.crt`, `tls.key`, optional `ca.crt` for client certificates) the
-    /// proxy terminates with; required for `terminate`.
+    /// The Secret (`tls.crt`, `tls.key`, and `ca.crt` with `verifyClients`) the proxy
+    /// terminates with; required for `terminate`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub secret_name: Option<String>,
@@ -418,6 +421,11 @@ pub struct ProxyTls {
     /// `terminate` (default) or `passthrough`.
     #[serde(default)]
     pub mode: ProxyTlsMode,
+
+    /// Mutual TLS: every client must present a certificate signed by the Secret's `ca.crt`
+    /// (which must then be there); `terminate` only. Off: any client may connect.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub verify_clients: bool,
 }
 
 /// Whether `s` is a valid `hostnamePrefix` ([`HOSTNAME_PREFIX_PATTERN`],

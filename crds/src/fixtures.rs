@@ -161,7 +161,16 @@ impl ExternalAccess {
             port,
             secret_name: secret_name.map(Into::into),
             mode,
+            verify_clients: false,
         });
+        self
+    }
+
+    /// `proxy.tls.verifyClients` on (after [`Self::proxy_tls`]).
+    pub fn verify_clients(mut self) -> Self {
+        if let Some(tls) = self.proxy.as_mut().and_then(|p| p.tls.as_mut()) {
+            tls.verify_clients = true;
+        }
         self
     }
 }

@@ -146,6 +146,10 @@ pub(crate) fn reserved_config_rule() -> Rule {
         .reason(Reason::FieldValueForbidden)
 }
 
+/// Why `verifyClients` is refused with `passthrough` (the CEL message and [`SpecError`]'s).
+pub const VERIFY_CLIENTS_NEEDS_TERMINATE: &str = "externalAccess.proxy.tls.verifyClients needs \
+    mode terminate: a passed-through stream is the node's to verify";
+
 /// The start of the message when `config` sets reserved keys; the keys follow, each after
 /// a space.
 pub const RESERVED_CONFIG_MESSAGE: &str = "config may not set keys the operator writes";
@@ -185,6 +189,8 @@ pub enum SpecError {
     },
     #[error("externalAccess.proxy.tls.mode passthrough needs tls: the nodes must speak TLS")]
     PassthroughWithoutTls,
+    #[error("{VERIFY_CLIENTS_NEEDS_TERMINATE}")]
+    VerifyClientsNeedsTerminate,
     /// The reserved keys `config` sets, in [`RESERVED_CONFIG_KEYS`]' order.
     #[error("{RESERVED_CONFIG_MESSAGE}: {}", .0.join(" "))]
     ReservedConfigKeys(Vec<String>),
@@ -382,6 +388,9 @@ impl ValkeyClusterSpec {
                         return Err(SpecError::PassthroughWithoutTls)
                     }
                     _ => {}
+                }
+                if tls.verify_clients && tls.mode != ProxyTlsMode::Terminate {
+                    return Err(SpecError::VerifyClientsNeedsTerminate);
                 }
             }
         }

@@ -230,6 +230,26 @@ fn other_create_rules_agree() {
             None,
         ),
         (
+            "verifyClients with passthrough",
+            base().tls("vc-tls").external(
+                ExternalAccess::proxy(31000)
+                    .domain("example.com")
+                    .proxy_tls(6380, ProxyTlsMode::Passthrough, None)
+                    .verify_clients(),
+            ),
+            Some("verifyClients needs mode terminate"),
+        ),
+        (
+            "verifyClients with terminate",
+            base().external(
+                ExternalAccess::proxy(31000)
+                    .domain("example.com")
+                    .proxy_tls(6380, ProxyTlsMode::Terminate, Some("vc-tls"))
+                    .verify_clients(),
+            ),
+            None,
+        ),
+        (
             "hostname without domain",
             base().external(ExternalAccess::announce().endpoint_type(EndpointType::Hostname)),
             Some("domain"),

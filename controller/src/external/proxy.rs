@@ -108,6 +108,9 @@ pub fn settings(
         if tls.mode == ProxyTlsMode::Terminate {
             s.tls_cert = Some(format!("{TLS_DIR}/tls.crt").into());
             s.tls_key = Some(format!("{TLS_DIR}/tls.key").into());
+            if tls.verify_clients {
+                s.tls_client_ca = Some(format!("{TLS_DIR}/ca.crt").into());
+            }
         }
     }
     Ok(s)
@@ -469,6 +472,7 @@ mod tests {
                     port: 31443,
                     secret_name: Some("vc-tls".into()),
                     mode: ProxyTlsMode::Terminate,
+                    verify_clients: false,
                 });
             }
         }
@@ -540,6 +544,23 @@ mod tests {
         assert_eq!(parsed.tls_port, Some(31443));
         assert_eq!(parsed.sni_prefix.as_deref(), Some("vc"));
         assert_eq!(parsed.sni_domain.as_deref(), Some("example.com"));
+        // Any client, unless verifyClients asks for its certificate (the Secret's ca.crt).
+        assert_eq!(parsed.tls_client_ca, None);
+        let mut verifying = vc.clone();
+        let tls = verifying
+            .spec
+            .external_access
+            .as_mut()
+            .and_then(|ea| ea.proxy.as_mut())
+            .and_then(|p| p.tls.as_mut())
+            .unwrap();
+        tls.verify_clients = true;
+        let (ea, proxy) = proxy_mode(&verifying).unwrap();
+        let s = settings(&verifying, ea, proxy, None).unwrap();
+        assert_eq!(
+            s.tls_client_ca,
+            Some(std::path::PathBuf::from(format!("{TLS_DIR}/ca.crt")))
+        );
         assert_eq!(c["volumeMounts"][0]["mountPath"], TLS_DIR);
         assert_eq!(
             d["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
