@@ -113,9 +113,9 @@ impl NodeAddressType {
 
 string_enum! {
     /// What the proxy does with TLS on its SNI port. `passthrough`: the stream goes to the
-    /// node untouched (the nodes speak TLS: `spec.tls` is required). `terminate`: the proxy
-    /// terminates TLS with `secretName`'s certificate and talks to the node in plain (or in
-    /// TLS, when `spec.tls` is set).
+    /// node untouched (the nodes must speak TLS: `spec.tls` is required, and this operator
+    /// version does not configure it yet). `terminate`: the proxy terminates TLS with
+    /// `secretName`'s certificate and talks to the node in plain.
     pub enum ProxyTlsMode { Passthrough = "passthrough", Terminate = "terminate" }
     default = Terminate
 }
@@ -176,7 +176,8 @@ pub struct ExternalAccess {
 
     /// The first external port, `basePort + flatIndex` for each node: the NodePorts requested
     /// (NodePort) or the Service ports (LoadBalancer). Unset: NodePorts are allocated by
-    /// Kubernetes and Service ports are the nodes' own.
+    /// Kubernetes, and Service ports are 6379 plus the node index (one Service per shard)
+    /// or 6379 (one per node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub base_port: Option<i32>,
