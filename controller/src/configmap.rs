@@ -10,6 +10,7 @@ use kube::ResourceExt;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use shardgate_crds::names::objects;
+use shardgate_crds::validation::RESERVED_CONFIG_KEYS;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 use crate::context::Context;
@@ -21,23 +22,6 @@ use crate::objects::{apply, build, cluster_labels, namespace, owner};
 pub use shardgate_crds::ports::CLIENT_PORT;
 /// The cluster bus port: the client port + 10000, as Valkey derives it.
 pub const BUS_PORT: u16 = CLIENT_PORT + 10000;
-
-/// Settings the operator decides, which `spec.config` may not set.
-const OWNED: &[&str] = &[
-    "port",
-    "cluster-enabled",
-    "cluster-config-file",
-    "dir",
-    "bind",
-    "cluster-announce-ip",
-    "cluster-announce-human-nodename",
-    "cluster-announce-hostname",
-    "cluster-announce-client-port",
-    "cluster-announce-client-tls-port",
-    "cluster-announce-client-ipv4",
-    "cluster-announce-client-ipv6",
-    "cluster-preferred-endpoint-type",
-];
 
 /// What every node runs with, before the user's `spec.config`.
 const BASE: &[(&str, &str)] = &[
@@ -56,8 +40,9 @@ pub fn render(vc: &ValkeyCluster) -> Result<String> {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     for (key, value) in &vc.spec.config {
+        // Valkey reads names in any case; the API server's check matches them as written.
         let k = key.to_ascii_lowercase();
-        if OWNED.contains(&k.as_str()) {
+        if RESERVED_CONFIG_KEYS.contains(&k.as_str()) {
             return Err(Error::Invalid(format!(
                 "spec.config.{key}: set by the operator (it must match the pods and the cluster)"
             )));
@@ -110,4 +95,31 @@ pub async fn apply_config(vc: &ValkeyCluster, ctx: &Context) -> Result<String> {
     )?;
     apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &cm).await?;
     Ok(hash(&text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The user's settings follow the base ones, their names lowercased as Valkey reads
+    /// them; a name the operator writes is refused in any case (the API server's check sees
+    /// only the exact one), and so is a value of more than one line.
+    #[test]
+    fn config_renders_the_user_settings_and_refuses_the_operators_own() {
+        let text = render(&ValkeyCluster::test("vc").config("MaxMemory", "1gb")).unwrap();
+        assert!(text.starts_with("port 6379\n"), "{text}");
+        assert!(text.contains("\nmaxmemory 1gb\n"), "{text}");
+        assert!(text.contains("\nappendonly yes\n"), "{text}");
+        for (key, value) in [
+            ("PORT", "7000"),
+            ("Bind", "0.0.0.0"),
+            ("maxmemory", "1gb\nport 7000"),
+        ] {
+            let vc = ValkeyCluster::test("vc").config(key, value);
+            assert!(
+                matches!(render(&vc), Err(Error::Invalid(_))),
+                "{key}: {value:?} accepted"
+            );
+        }
+    }
 }

@@ -53,6 +53,12 @@ pub async fn reconcile(vc: Arc<ValkeyCluster>, ctx: Arc<Context>) -> Result<Acti
                 &e.to_string(),
             )
             .await;
+            // A spec that cannot be acted on reads so in status, not as the last state seen.
+            if let Error::Invalid(why) = &e {
+                if let Err(write) = status::invalid(&vc, &ctx, why).await {
+                    warn!(cluster = %vc.name_any(), "cannot write the invalid spec's status: {write}");
+                }
+            }
             Err(e)
         }
     }

@@ -362,6 +362,48 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
     }
 }
 
+/// A spec the operator cannot act on (one the API server's checks let through, such as a
+/// `config` key it writes itself in other letters): phase Failed, and Ready false with
+/// reason `InvalidSpec` and why, for the spec's generation. The other conditions and
+/// fields stay as they were (a merge patch), since nothing was looked at.
+pub async fn invalid(vc: &ValkeyCluster, ctx: &Context, why: &str) -> Result<()> {
+    let now = Time(Timestamp::now());
+    let mut conditions: Vec<Condition> = vc
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let ready = Condition {
+        type_: "Ready".into(),
+        status: "False".into(),
+        reason: "InvalidSpec".into(),
+        message: why.into(),
+        observed_generation: vc.metadata.generation,
+        last_transition_time: condition(vc, "Ready")
+            .filter(|c| c.status == "False")
+            .map_or(now, |c| c.last_transition_time.clone()),
+    };
+    match conditions.iter_mut().find(|c| c.type_ == "Ready") {
+        Some(c) => *c = ready,
+        None => conditions.push(ready),
+    }
+    let status = json!({
+        "status": {
+            "observedGeneration": vc.metadata.generation,
+            "phase": "Failed",
+            "conditions": conditions,
+        },
+    });
+    let api: Api<ValkeyCluster> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
+    api.patch_status(
+        &vc.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&status),
+    )
+    .await?;
+    Ok(())
+}
+
 /// Writes the status for `o`. Returns the computed conditions (for events).
 pub async fn patch(vc: &ValkeyCluster, ctx: &Context, o: &Observed<'_>) -> Result<Vec<Computed>> {
     let (phase, computed) = compute(vc, o);

@@ -250,6 +250,11 @@ fn other_create_rules_agree() {
             None,
         ),
         (
+            "bind in config (the pods must listen at their IP)",
+            base().config("bind", "127.0.0.1"),
+            Some("config may not set keys the operator writes: bind"),
+        ),
+        (
             "hostname without domain",
             base().external(ExternalAccess::announce().endpoint_type(EndpointType::Hostname)),
             Some("domain"),

@@ -60,6 +60,10 @@ fn main() -> ExitCode {
             leader_election,
         )
         .test(
+            "a_spec_the_operator_cannot_act_on_reads_failed_until_it_is_fixed",
+            invalid_spec,
+        )
+        .test(
             "shards_3_to_4_and_back_and_replicas_up_and_down_under_writes_lose_nothing",
             scaling,
         )
@@ -667,6 +671,43 @@ async fn leader_election(env: TestEnv) -> Result<()> {
         killed.elapsed()
     );
     second_task.abort();
+    Ok(())
+}
+
+/// A `config` key the operator writes itself, in capitals: the API server's check (exact
+/// names) lets it through, the operator cannot act on it. Status says so (phase Failed,
+/// Ready false with reason InvalidSpec naming the key) rather than keep the last state;
+/// once the key goes, the cluster forms.
+async fn invalid_spec(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    let mut vc = cluster("vc", 1, 0)?;
+    vc.spec.config.insert("PORT".into(), "7000".into());
+    create(&client, &ns, &vc).await?;
+    let vcs = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
+    eventually("status Failed: InvalidSpec", FORM, || async {
+        let vc = vcs.get("vc").await?;
+        let phase = vc
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .map(|p| p.to_string());
+        let ready = condition(&vc, "Ready");
+        ensure!(
+            phase.as_deref() == Some("Failed")
+                && ready
+                    .as_ref()
+                    .is_some_and(|(s, reason, message)| s == "False"
+                        && reason == "InvalidSpec"
+                        && message.contains("spec.config.PORT")),
+            "phase {phase:?}, Ready {ready:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    set_spec(&client, &ns, json!({ "config": { "PORT": null } })).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    operator.stop().await;
     Ok(())
 }
 
