@@ -203,6 +203,8 @@ pub struct ExternalAccess {
 
     /// Merged into the Services' annotations (other controllers' keys are kept; keys removed
     /// here are removed). Values may use `{cluster}`, `{shard}`, `{node}` and `{hostname}`.
+    /// In proxy mode, the proxy's one Service: `{shard}` and `{node}` are empty, and
+    /// `{hostname}` is the bootstrap name `<hostnamePrefix>.<domain>`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub service_annotations: BTreeMap<String, String>,
 

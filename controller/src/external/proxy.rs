@@ -252,6 +252,13 @@ pub fn desired(
             "spec": { "maxUnavailable": 1, "selector": { "matchLabels": labels } },
         }),
     )?;
+    // A NodePort Service: clients are handed basePort + flatIndex, so those are the
+    // NodePorts too (not ports Kubernetes would pick).
+    if proxy.service_type == ServiceType::NodePort {
+        for p in &mut service_ports {
+            p["nodePort"] = p["port"].clone();
+        }
+    }
     let mut service_spec = json!({
         "type": proxy.service_type.as_str(),
         "selector": labels,
@@ -260,11 +267,28 @@ pub fn desired(
     if let Some(policy) = ea.effective_external_traffic_policy_for(proxy.service_type) {
         service_spec["externalTrafficPolicy"] = json!(policy.as_str());
     }
+    // serviceAnnotations, for the one Service: no shard or node; `{hostname}` is the
+    // bootstrap name, which is where the proxy's address should be found.
+    let bootstrap = ea
+        .hostnames(&cluster)
+        .map(|h| shardgate_crds::names::bootstrap_hostname(&h.prefix, &h.domain));
+    let annotations: BTreeMap<String, String> = ea
+        .service_annotations
+        .iter()
+        .map(|(k, v)| {
+            let value = super::services::template(v, &cluster, None, None, bootstrap.as_deref());
+            (k.clone(), value)
+        })
+        .collect();
+    let mut service_meta = meta(&labels)?;
+    if !annotations.is_empty() {
+        service_meta["annotations"] = json!(annotations);
+    }
     let service: Service = build(
         "proxy Service",
         json!({
             "apiVersion": "v1", "kind": "Service",
-            "metadata": meta(&labels)?,
+            "metadata": service_meta,
             "spec": service_spec,
         }),
     )?;
@@ -570,6 +594,63 @@ mod tests {
         assert_eq!(
             s["spec"]["ports"].as_array().unwrap().last().unwrap()["port"],
             31443
+        );
+    }
+
+    /// A NodePort Service asks for the ports clients are handed (basePort + flatIndex, and
+    /// the TLS port) as its NodePorts; serviceAnnotations reach the one Service, with
+    /// `{cluster}` and `{hostname}` (the bootstrap name) filled in.
+    #[test]
+    fn the_service_takes_the_handed_out_node_ports_and_the_annotations() {
+        let mut vc = proxy_cluster(true);
+        let ea = vc.spec.external_access.as_mut().unwrap();
+        ea.service_annotations = BTreeMap::from([
+            (
+                "external-dns.alpha.kubernetes.io/hostname".to_string(),
+                "{hostname}".to_string(),
+            ),
+            ("team".to_string(), "{cluster}-{shard}{node}".to_string()),
+        ]);
+        let (ea, proxy) = proxy_mode(&vc).unwrap();
+        let plain = desired(&vc, ea, proxy, "img", None).unwrap();
+        let s = serde_json::to_value(&plain.service).unwrap();
+        assert!(s["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p.get("nodePort").is_none()));
+        assert_eq!(
+            s["metadata"]["annotations"],
+            json!({ "external-dns.alpha.kubernetes.io/hostname": "vc.example.com", "team": "vc-" })
+        );
+
+        let mut node_port = vc.clone();
+        if let Some(p) = node_port
+            .spec
+            .external_access
+            .as_mut()
+            .and_then(|ea| ea.proxy.as_mut())
+        {
+            p.service_type = ServiceType::NodePort;
+        }
+        let (ea, proxy) = proxy_mode(&node_port).unwrap();
+        let o = desired(&node_port, ea, proxy, "img", None).unwrap();
+        let s = serde_json::to_value(&o.service).unwrap();
+        let pairs: Vec<(i64, i64)> = s["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["port"].as_i64().unwrap(), p["nodePort"].as_i64().unwrap()))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                (31000, 31000),
+                (31001, 31001),
+                (31002, 31002),
+                (31003, 31003),
+                (31443, 31443)
+            ]
         );
     }
 }

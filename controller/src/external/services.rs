@@ -76,13 +76,13 @@ pub struct Desired {
 pub fn template(
     value: &str,
     cluster: &str,
-    shard: ShardIndex,
+    shard: Option<ShardIndex>,
     node: Option<NodeRef>,
     hostname: Option<&str>,
 ) -> String {
     value
         .replace("{cluster}", cluster)
-        .replace("{shard}", &shard.to_string())
+        .replace("{shard}", &shard.map(|s| s.to_string()).unwrap_or_default())
         .replace(
             "{node}",
             &node.map(|n| n.node.to_string()).unwrap_or_default(),
@@ -173,7 +173,7 @@ pub fn desired(vc: &ValkeyCluster, ea: &ExternalAccess) -> Result<Vec<Desired>> 
             .map(|(k, v)| {
                 (
                     k.clone(),
-                    template(v, &cluster, shard, one, hostname.as_deref()),
+                    template(v, &cluster, Some(shard), one, hostname.as_deref()),
                 )
             })
             .collect();

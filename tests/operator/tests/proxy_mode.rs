@@ -572,6 +572,18 @@ async fn mode_off(env: TestEnv) -> Result<()> {
         Ok(())
     })
     .await?;
+    // Its NodePorts are the ports clients are handed: basePort + flatIndex.
+    let svc = Api::<Service>::namespaced(client.clone(), ns)
+        .get("vc-proxy")
+        .await?;
+    let ports: Vec<(i32, Option<i32>)> = svc
+        .spec
+        .and_then(|s| s.ports)
+        .unwrap_or_default()
+        .iter()
+        .map(|p| (p.port, p.node_port))
+        .collect();
+    ensure!(ports == [(32600, Some(32600))], "{ports:?}");
     set_external(json!(null)).await?;
     let gone = || async {
         eventually("every proxy object gone", FORM, || async {
