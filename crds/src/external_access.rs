@@ -237,6 +237,44 @@ pub struct ExternalAccess {
 }
 
 impl ExternalAccess {
+    /// The fields set here that `mode` does not use, as the resource spells them: in proxy
+    /// mode, the announce-mode Services' and a gateway's settings (the proxy block has its
+    /// own port, type and host); in announce mode, the proxy block.
+    pub fn ignored_fields(&self) -> Vec<&'static str> {
+        let mut ignored = Vec::new();
+        match self.mode {
+            ExternalAccessMode::Proxy => {
+                let set = [
+                    ("externalAccess.serviceType", self.service_type.is_some()),
+                    (
+                        "externalAccess.serviceLayout",
+                        self.service_layout != ServiceLayout::default(),
+                    ),
+                    ("externalAccess.basePort", self.base_port.is_some()),
+                    (
+                        "externalAccess.advertisedHost",
+                        self.advertised_host.is_some(),
+                    ),
+                    (
+                        "externalAccess.nodeAddressType",
+                        self.node_address_type.is_some(),
+                    ),
+                    (
+                        "externalAccess.preferredEndpointType",
+                        self.preferred_endpoint_type != EndpointType::default(),
+                    ),
+                    ("externalAccess.gateway", self.gateway.is_some()),
+                ];
+                ignored.extend(set.into_iter().filter(|(_, on)| *on).map(|(f, _)| f));
+            }
+            ExternalAccessMode::Announce if self.proxy.is_some() => {
+                ignored.push("externalAccess.proxy");
+            }
+            ExternalAccessMode::Announce => {}
+        }
+        ignored
+    }
+
     /// The Services' type: `serviceType`, else ClusterIP when a gateway routes to them, else
     /// NodePort.
     pub fn effective_service_type(&self) -> ServiceType {
@@ -457,6 +495,30 @@ fn is_dns_label(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each mode names the fields it leaves unused, and only those.
+    #[test]
+    fn fields_a_mode_does_not_use_are_named() {
+        assert!(ExternalAccess::proxy(31000).ignored_fields().is_empty());
+        let used = ExternalAccess::proxy(31000)
+            .domain("example.com")
+            .endpoint_type(EndpointType::Ip);
+        assert!(used.ignored_fields().is_empty());
+        let mixed = ExternalAccess::proxy(31000)
+            .base_port(30000)
+            .endpoint_type(EndpointType::Hostname);
+        assert_eq!(
+            mixed.ignored_fields(),
+            [
+                "externalAccess.basePort",
+                "externalAccess.preferredEndpointType"
+            ]
+        );
+        assert!(ExternalAccess::announce().ignored_fields().is_empty());
+        let mut announce = ExternalAccess::announce();
+        announce.proxy = Some(ProxySpec::new(31000));
+        assert_eq!(announce.ignored_fields(), ["externalAccess.proxy"]);
+    }
 
     #[test]
     fn enums_spell_as_the_design_does() {
