@@ -597,6 +597,14 @@ mod tests {
         assert_eq!(external(&vc, waiting()), (true, "EndpointsReady"));
     }
 
+    /// The status and reason of the computed condition `type_`.
+    fn find(conditions: &[Computed], type_: &str) -> Option<(bool, &'static str)> {
+        conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .map(|c| (c.status, c.reason))
+    }
+
     /// A condition as the API server holds it.
     fn held(type_: &str, status: &str) -> Condition {
         Condition {
@@ -658,12 +666,7 @@ mod tests {
                 formed_now: false,
             };
             let (phase, conditions) = compute(vc, &o);
-            let find = |t: &str| {
-                conditions
-                    .iter()
-                    .find(|c| c.type_ == t)
-                    .map(|c| (c.status, c.reason))
-            };
+            let find = |t| find(&conditions, t);
             (
                 phase,
                 find("Ready"),
@@ -805,12 +808,7 @@ mod tests {
                     formed_now: false,
                 };
                 let (phase, conditions) = compute(vc, &o);
-                let find = |t: &str| {
-                    conditions
-                        .iter()
-                        .find(|c| c.type_ == t)
-                        .map(|c| (c.status, c.reason))
-                };
+                let find = |t| find(&conditions, t);
                 let upgrading = (
                     Some((false, "RollingConfig")),
                     Some((true, "RollingConfig")),

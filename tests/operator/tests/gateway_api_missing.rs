@@ -13,7 +13,7 @@ use serde_json::json;
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_kube_harness::{Options, TestEnv};
-use shardgate_operator_e2e::external::{external_cluster, FORM};
+use shardgate_operator_e2e::external::{external_cluster, slot_addresses, FORM};
 use shardgate_operator_e2e::{
     condition, create, eventually, pod_addrs, reconcile_again, wait_ready, Operator,
 };
@@ -124,33 +124,14 @@ async fn warned_once(env: TestEnv) -> Result<()> {
         .arg("SLOTS")
         .query_async(&mut conn)
         .await?;
-    let ports = slot_ports(&slots);
+    let named = slot_addresses(&slots)?;
     ensure!(
-        !ports.is_empty() && ports.iter().all(|p| [31000, 31001].contains(p)),
-        "CLUSTER SLOTS hands out ports {ports:?}"
+        !named.is_empty()
+            && named
+                .iter()
+                .all(|a| a.ends_with(":31000") || a.ends_with(":31001")),
+        "CLUSTER SLOTS hands out {named:?}"
     );
     operator.stop().await;
     Ok(())
-}
-
-/// The node ports in a CLUSTER SLOTS reply (each range's nodes: `[ip, port, id, ...]`).
-fn slot_ports(slots: &redis::Value) -> Vec<i64> {
-    let redis::Value::Array(ranges) = slots else {
-        return Vec::new();
-    };
-    ranges
-        .iter()
-        .filter_map(|r| match r {
-            redis::Value::Array(r) => Some(r.iter().skip(2)),
-            _ => None,
-        })
-        .flatten()
-        .filter_map(|node| match node {
-            redis::Value::Array(n) => match n.get(1) {
-                Some(redis::Value::Int(port)) => Some(*port),
-                _ => None,
-            },
-            _ => None,
-        })
-        .collect()
 }
