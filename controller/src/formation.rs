@@ -67,6 +67,10 @@ pub struct Plan {
     /// The pods of nodes on their way out while their shard's slots move away (scale-in):
     /// members still, whom healing must not forget. Empty otherwise.
     pub leaving: Vec<SocketAddr>,
+    /// Every pod a node could come back from is among `nodes` (no node is leaving): a node
+    /// id that none of them has is gone for good, so a lost primary without a replica may
+    /// be forgotten with its slots rather than waited for.
+    pub lost_are_gone: bool,
     pub timeouts: Timeouts,
 }
 
@@ -306,12 +310,19 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         .collect();
     for id in &gone {
         // A lost primary that still holds slots is forgotten only after its replica took
-        // them over: the other primaries must remember it to vote for that failover.
+        // them over: the other primaries must remember it to vote for that failover. With
+        // no replica left to do so, and no pod that could bring it back, nobody ever will:
+        // its slots (their keys are gone with it) are served again, empty, from step 5.
         let holds_slots = seen
             .iter()
             .flat_map(|s| s.view.iter())
             .any(|l| &l.id == id && l.is_primary() && !l.slots.is_empty());
-        if holds_slots {
+        let live_replica = seen
+            .iter()
+            .flat_map(|s| s.view.iter())
+            .any(|l| l.primary_id.as_deref() == Some(id.as_str()) && current.contains(&l.id));
+        let beyond_recovery = plan.lost_are_gone && !live_replica;
+        if holds_slots && !beyond_recovery {
             let waiting =
                 format!("waiting for a replica to take over the slots of lost node {id:.8}");
             if acted.is_empty() {
@@ -332,7 +343,12 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             s.run(&["CLUSTER", "FORGET", id]).await?;
             sent = true;
         }
-        if sent {
+        if sent && holds_slots {
+            acted.push(format!(
+                "forgot {id:.8}, a primary no pod has any more and no replica can replace: \
+                 its slots are lost and will be served again, empty"
+            ));
+        } else if sent {
             acted.push(format!("forgot {id:.8}, which no pod has any more"));
         }
     }
@@ -1034,6 +1050,7 @@ mod tests {
             nodes: staying.iter().map(|&n| (n, Some(addr(n)))).collect(),
             announced: BTreeMap::new(),
             leaving: leaving.iter().map(|&n| addr(n)).collect(),
+            lost_are_gone: false,
             timeouts: Timeouts::default(),
         };
         // It is met, and asked again at once (the handshake takes a cluster tick or more):
@@ -1100,5 +1117,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Against a real cluster of 2 shards without replicas: shard 1's primary is reset (a
+    /// pod without a volume replaced: a new id, its keys gone). No replica can take its
+    /// slots over, so formation forgets the old id and serves the slots again from the new
+    /// node, rather than wait for ever with those slots down (and the whole cluster with
+    /// them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_primary_without_a_replica_is_replaced_not_waited_for() {
+        use shardgate_harness::valkey::{ClusterSpec, ValkeyCluster};
+        let cluster = tokio::task::spawn_blocking(|| ValkeyCluster::start(ClusterSpec::new(2, 0)))
+            .await
+            .unwrap()
+            .expect("a two-shard Valkey cluster (run scripts/setup for valkey-server)");
+        let lost = NodeRef::new(1, 0);
+        let addr = |n: NodeRef| cluster.node(n).addr();
+        let mut client = Client::connect(addr(lost), Timeouts::default())
+            .await
+            .unwrap();
+        client.command(["CLUSTER", "RESET", "HARD"]).await.unwrap();
+        let nodes = [NodeRef::new(0, 0), lost];
+        let plan = Plan {
+            shards: 2,
+            replicas: 0,
+            nodes: nodes.iter().map(|&n| (n, Some(addr(n)))).collect(),
+            announced: BTreeMap::new(),
+            leaving: Vec::new(),
+            lost_are_gone: true,
+            timeouts: Timeouts::default(),
+        };
+        let mut acted = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match step(&plan).await.unwrap() {
+                Progress::Formed(_) => break,
+                Progress::Acted(what) => acted.push(what),
+                Progress::Retried(what) => panic!("{what}"),
+                Progress::Waiting(why) => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "still waiting after 60 s: {why}; did {acted:?}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let did = acted.join("; ");
+        assert!(did.contains("no replica can replace"), "{did}");
+        assert!(did.contains("assigned"), "{did}");
     }
 }

@@ -31,6 +31,11 @@ pub struct NodePod {
     /// How often its containers restarted (a pod that crashes is a fault, not a restart
     /// the operator asked for).
     pub restarts: i32,
+    /// Why it cannot start, when Kubernetes says it cannot (an image that does not pull, a
+    /// pod no node can take, a container that crash-loops).
+    pub stuck: Option<String>,
+    /// Started within [`SETTLING`]: a pod a roll replaced may still be rejoining its shard.
+    pub young: bool,
     /// The Kubernetes node it was scheduled to.
     pub node_name: Option<String>,
     /// The client address its command line announces (announce mode), which CLUSTER NODES
@@ -78,6 +83,11 @@ pub async fn observe(vc: &ValkeyCluster, ctx: &Context) -> Result<Pods> {
                 restarts: status
                     .and_then(|s| s.container_statuses.as_ref())
                     .map_or(0, |c| c.iter().map(|c| c.restart_count).sum()),
+                stuck: stuck(&pod),
+                young: pod.metadata.creation_timestamp.as_ref().is_some_and(|t| {
+                    k8s_openapi::jiff::Timestamp::now().duration_since(t.0)
+                        < k8s_openapi::jiff::SignedDuration::from_secs(SETTLING.as_secs() as i64)
+                }),
                 node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
                 announced: pod
                     .spec
@@ -90,6 +100,41 @@ pub async fn observe(vc: &ValkeyCluster, ctx: &Context) -> Result<Pods> {
         );
     }
     Ok(pods)
+}
+
+/// How long after its start a pod counts as settling in (see [`NodePod::young`]).
+pub const SETTLING: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Waiting reasons of a container that will not start by waiting.
+const STUCK: &[&str] = &[
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CrashLoopBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+];
+
+/// Why `pod` cannot start, if Kubernetes says so.
+fn stuck(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let unschedulable = status.conditions.as_ref().and_then(|c| {
+        c.iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .filter(|c| c.reason.as_deref() == Some("Unschedulable"))
+    });
+    if let Some(c) = unschedulable {
+        return Some(format!(
+            "unschedulable: {}",
+            c.message.as_deref().unwrap_or_default()
+        ));
+    }
+    status.container_statuses.as_ref()?.iter().find_map(|c| {
+        let waiting = c.state.as_ref()?.waiting.as_ref()?;
+        let reason = waiting.reason.as_deref()?;
+        STUCK.contains(&reason).then(|| reason.to_string())
+    })
 }
 
 /// A pod's node, from its index labels.

@@ -245,18 +245,25 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             })
             .collect(),
         leaving,
+        lost_are_gone: scaled_in.is_none(),
         timeouts: ctx.timeouts,
     };
     let scaling_in = scaled_in.is_some();
     let mut progress = match scaled_in {
         // Slots moving take a while: the staying nodes are healed meanwhile (a wiped pod
         // met and attached again, say), which may be what the move waits for.
-        Some(Progress::Waiting(why)) => match formation::step(&plan).await? {
-            healed @ (Progress::Acted(_) | Progress::Retried(_)) => {
+        Some(Progress::Waiting(why)) => match formation::step(&plan).await {
+            Ok(healed @ (Progress::Acted(_) | Progress::Retried(_))) => {
                 formation_events(ctx, vc, &healed).await;
                 healed
             }
-            _ => Progress::Waiting(why),
+            Ok(_) => Progress::Waiting(why),
+            // Healing that failed this time does not fail the scale-in's pass (and its
+            // status): the next look tries again.
+            Err(e) => {
+                warn!(cluster = %name, "healing while slots move: {e}");
+                Progress::Waiting(why)
+            }
         },
         Some(progress) => progress,
         None => {
@@ -276,8 +283,11 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         })
         .copied()
         .collect();
+    let mut rolled = false;
     if let Progress::Formed(formed) = &progress {
-        match rolling::step(vc, ctx, &pods, formed, &stale).await? {
+        let step = rolling::step(vc, ctx, &pods, formed, &stale).await?;
+        rolled = step.is_some();
+        match step {
             Some(rolling::Step::Acted(what)) => {
                 let (kind, reason) = (EventType::Normal, "RollingConfig");
                 announce(ctx, vc, "rolling", kind, reason, &what).await;
@@ -323,6 +333,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             gateway: routing.as_ref(),
             scaling_in,
             formed_now,
+            rolled,
         },
     )
     .await?;

@@ -34,6 +34,8 @@ pub struct Observed<'a> {
     pub scaling_in: bool,
     /// Formation found the cluster whole this time (before a rolling restart's step).
     pub formed_now: bool,
+    /// `progress` is a rolling step's (a restart, a failover, or why the roll stops).
+    pub rolled: bool,
 }
 
 /// A condition as computed, before its transition time is settled.
@@ -201,8 +203,10 @@ fn on_old_config(o: &Observed<'_>) -> usize {
 /// While a config change rolls through a formed cluster (pods on an old config remain, or
 /// the last status said so and the cluster has not settled since): what it is doing. `None`
 /// when no roll is under way or something besides it is wrong: more than the one node the
-/// roll replaces at a time is down, or a node is down that the roll did not take down (a
-/// pod on an old config that is not being replaced, a pod that crashed since it started).
+/// roll replaces at a time is down; a node is down that the roll did not take down (a pod
+/// on an old config that is not being replaced, a pod that crashed since it started, or
+/// one Kubernetes cannot start); or formation waits or acts while no node is down, the
+/// roll did nothing, and no pod it replaced is still settling in ([`crate::pods::SETTLING`]).
 fn rolling(vc: &ValkeyCluster, o: &Observed<'_>) -> Option<String> {
     let old = on_old_config(o);
     let was_rolling = condition(vc, "Progressing").is_some_and(|c| c.reason == "RollingConfig");
@@ -220,20 +224,30 @@ fn rolling(vc: &ValkeyCluster, o: &Observed<'_>) -> Option<String> {
         if p.deleting {
             restarting.push(*n);
         } else if !p.ready {
-            if o.stale.contains(n) || p.restarts > 0 {
+            if o.stale.contains(n) || p.restarts > 0 || p.stuck.is_some() {
                 return None;
             }
             restarting.push(*n);
         }
     }
+    // The last pod the roll replaced, rejoining (met again, re-attached, copying its
+    // primary's data).
+    let settling = o
+        .pods
+        .nodes
+        .iter()
+        .any(|(n, p)| p.young && !o.stale.contains(n));
     let step = match (o.progress, restarting.as_slice()) {
         (Progress::Formed(_), []) if old == 0 => return None,
         (Progress::Formed(_), []) => String::new(),
         (Progress::Formed(_), [n]) => format!("; node {n} restarting"),
         (_, [_, _, ..]) => return None,
-        (Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what), _) => {
+        (Progress::Acted(what) | Progress::Retried(what) | Progress::Waiting(what), down)
+            if o.rolled || !down.is_empty() || settling =>
+        {
             format!("; {what}")
         }
+        _ => return None,
     };
     Some(if old > 0 {
         format!(
@@ -568,6 +582,7 @@ mod tests {
                 gateway: None,
                 scaling_in: false,
                 formed_now: false,
+                rolled: false,
             };
             let (_, conditions) = compute(vc, &o);
             let c = conditions
@@ -664,6 +679,7 @@ mod tests {
                 gateway: None,
                 scaling_in,
                 formed_now: false,
+                rolled: false,
             };
             let (phase, conditions) = compute(vc, &o);
             let find = |t| find(&conditions, t);
@@ -794,31 +810,40 @@ mod tests {
                     ..Default::default()
                 })
         };
+        let compute_with = |vc: &ValkeyCluster,
+                            progress: Progress,
+                            pods: Pods,
+                            stale: &[NodeRef],
+                            rolled: bool| {
+            let o = Observed {
+                progress: &progress,
+                pods: &pods,
+                desired_nodes: 4,
+                shards: 2,
+                stale,
+                external: None,
+                gateway: None,
+                scaling_in: false,
+                formed_now: false,
+                rolled,
+            };
+            let (phase, conditions) = compute(vc, &o);
+            let find = |t| find(&conditions, t);
+            let upgrading = (
+                Some((false, "RollingConfig")),
+                Some((true, "RollingConfig")),
+                Some((false, "RollingConfig")),
+            );
+            let read = (find("Ready"), find("Progressing"), find("Degraded"));
+            if phase == "Upgrading" {
+                assert_eq!(read, upgrading, "Upgrading says so in every condition");
+            }
+            (phase, read.0, conditions[0].message.clone())
+        };
+        // Progress from formation (not the roll's own step).
         let compute_for =
             |vc: &ValkeyCluster, progress: Progress, pods: Pods, stale: &[NodeRef]| {
-                let o = Observed {
-                    progress: &progress,
-                    pods: &pods,
-                    desired_nodes: 4,
-                    shards: 2,
-                    stale,
-                    external: None,
-                    gateway: None,
-                    scaling_in: false,
-                    formed_now: false,
-                };
-                let (phase, conditions) = compute(vc, &o);
-                let find = |t| find(&conditions, t);
-                let upgrading = (
-                    Some((false, "RollingConfig")),
-                    Some((true, "RollingConfig")),
-                    Some((false, "RollingConfig")),
-                );
-                let read = (find("Ready"), find("Progressing"), find("Degraded"));
-                if phase == "Upgrading" {
-                    assert_eq!(read, upgrading, "Upgrading says so in every condition");
-                }
-                (phase, read.0, conditions[0].message.clone())
+                compute_with(vc, progress, pods, stale, false)
             };
         let formed = || Progress::Formed(Default::default());
         let waiting = || Progress::Waiting("node 0-1 has no address yet".into());
@@ -830,7 +855,7 @@ mod tests {
         assert_eq!(message, "4 of 4 pods to restart with the new config");
         // The roll's own step.
         let restarted = Progress::Acted("restarted pod vc-shard-0-1 (node 0-1, a replica)".into());
-        let (phase, _, message) = compute_for(&vc(true), restarted, all_ready(), &nodes);
+        let (phase, _, message) = compute_with(&vc(true), restarted, all_ready(), &nodes, true);
         assert_eq!(phase, "Upgrading");
         assert!(message.ends_with("; restarted pod vc-shard-0-1 (node 0-1, a replica)"));
         // The replaced pod going, gone, and back on the new config but not ready yet.
@@ -876,6 +901,29 @@ mod tests {
         let two = with(&[(n01, deleting), (n10, down.clone())]);
         let (phase, ..) = compute_for(&vc(true), waiting(), two, &nodes);
         assert_eq!(phase, "Degraded");
+        // ... a new pod Kubernetes cannot start (a bad image tag)...
+        let pulling = NodePod {
+            stuck: Some("ImagePullBackOff".into()),
+            ..NodePod::default()
+        };
+        let bad_image = with(&[(n01, pulling)]);
+        let (phase, ..) = compute_for(&vc(true), waiting(), bad_image, &old_but_01);
+        assert_eq!(phase, "Degraded");
+        // ... formation waiting with every pod up, after the roll, once no replaced pod is
+        // settling in any more (a replica that never syncs, say), and not while one is.
+        let copying = || Progress::Waiting("node 0-1 is still copying its primary's data".into());
+        let (phase, ready, _) = compute_for(&vc(true), copying(), all_ready(), &[]);
+        assert_eq!((phase, ready), ("Degraded", Some((false, "Waiting"))));
+        let settling = with(&[(
+            n01,
+            NodePod {
+                young: true,
+                ready: true,
+                ..NodePod::default()
+            },
+        )]);
+        let (phase, ..) = compute_for(&vc(true), copying(), settling, &[]);
+        assert_eq!(phase, "Upgrading");
         // ... and without a roll, a node down is what it was (a killed pod, say).
         let (phase, ready, _) = compute_for(&vc(false), waiting(), last.clone(), &[]);
         assert_eq!((phase, ready), ("Degraded", Some((false, "Waiting"))));

@@ -16,7 +16,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Service, ServiceAccount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, ListParams};
 use kube::ResourceExt;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -390,19 +390,21 @@ where
 /// Deletes the proxy's objects named `name`, if the operator made them. The Service (made
 /// first, always) or the Deployment (made last, once there is an address to hand out),
 /// labelled as the proxy's, is the mark: a cluster that never had a proxy costs two reads.
+/// (Services are listed, by name and label: the operator may list them, not get them.)
 async fn remove(ctx: &Context, ns: &str, name: &str) -> Result<()> {
     let ours = |labels: &BTreeMap<String, String>| {
         labels.get(labels::COMPONENT).map(String::as_str) == Some(COMPONENT_PROXY)
     };
     let services = Api::<Service>::namespaced(ctx.client.clone(), ns);
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns);
-    let marked = match services.get_opt(name).await? {
-        Some(svc) if ours(svc.labels()) => true,
-        _ => deployments
+    let by_name = ListParams::default()
+        .fields(&format!("metadata.name={name}"))
+        .labels(&format!("{}={COMPONENT_PROXY}", labels::COMPONENT));
+    let marked = !services.list(&by_name).await?.items.is_empty()
+        || deployments
             .get_opt(name)
             .await?
-            .is_some_and(|d| ours(d.labels())),
-    };
+            .is_some_and(|d| ours(d.labels()));
     if !marked {
         return Ok(());
     }
