@@ -94,20 +94,16 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         );
         publish(ctx, vc, EventType::Warning, "TLSNotConfigured", &note).await;
     }
-    let ignored = vc
-        .spec
-        .external_access
-        .as_ref()
-        .filter(|ea| ea.enabled)
-        .map(|ea| ea.ignored_fields())
-        .unwrap_or_default();
-    if !ignored.is_empty() && ctx.first_warning(vc, "FieldsIgnored") {
-        let note = format!(
-            "{} set but not used in this externalAccess mode (proxy mode has its own \
-             proxy.basePort, proxy.serviceType and proxy.advertisedHost); they are ignored",
-            ignored.join(", ")
-        );
-        publish(ctx, vc, EventType::Warning, "FieldsIgnored", &note).await;
+    if let Some(ea) = vc.spec.external_access.as_ref().filter(|ea| ea.enabled) {
+        let ignored = ea.ignored_fields();
+        if !ignored.is_empty() && ctx.first_warning(vc, "FieldsIgnored") {
+            let note = format!(
+                "{} set but not used in {} mode; they are ignored",
+                ignored.join(", "),
+                ea.mode
+            );
+            publish(ctx, vc, EventType::Warning, "FieldsIgnored", &note).await;
+        }
     }
     let hash = configmap::apply_config(vc, ctx).await?;
     service::apply_headless(vc, ctx).await?;

@@ -92,13 +92,12 @@ pub async fn step(
         return Ok(None);
     };
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
-    let pod_of = |node: &NodeRef| pods.nodes.get(node).map(|p| p.name.clone());
     match next {
         Next::Restart { node, primary } => {
-            let Some(pod) = pod_of(&node) else {
+            let Some(pod) = pods.nodes.get(&node).map(|p| &p.name) else {
                 return Ok(None);
             };
-            api.delete(&pod, &DeleteParams::default()).await?;
+            api.delete(pod, &DeleteParams::default()).await?;
             let what = if primary {
                 "a primary without replicas, its data on its volume: its shard is unavailable \
                  until it is back"

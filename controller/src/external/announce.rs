@@ -1,6 +1,7 @@
 //! What a node announces (Valkey 9): its external client port
-//! (`--cluster-announce-client-port`), its hostname (`--cluster-announce-hostname`: its own name under `domain`,
-//! else an `advertisedHost` that is a DNS name), and an `advertisedHost` that is an IP (`--cluster-announce-client-ipv4`/`-ipv6`: clients get
+//! (`--cluster-announce-client-port`), its hostname (`--cluster-announce-hostname`: its own
+//! name under `domain`, else an `advertisedHost` that is a DNS name), and an
+//! `advertisedHost` that is an IP (`--cluster-announce-client-ipv4`/`-ipv6`: clients get
 //! it, while gossip and replication stay on the pod IP of `--cluster-announce-ip`).
 //! `cluster-preferred-endpoint-type` is in `valkey.conf` ([`crate::configmap`]).
 //!

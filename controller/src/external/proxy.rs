@@ -392,19 +392,16 @@ where
 /// labelled as the proxy's, is the mark: a cluster that never had a proxy costs two reads.
 /// (Services are listed, by name and label: the operator may list them, not get them.)
 async fn remove(ctx: &Context, ns: &str, name: &str) -> Result<()> {
-    let ours = |labels: &BTreeMap<String, String>| {
-        labels.get(labels::COMPONENT).map(String::as_str) == Some(COMPONENT_PROXY)
-    };
     let services = Api::<Service>::namespaced(ctx.client.clone(), ns);
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns);
     let by_name = ListParams::default()
         .fields(&format!("metadata.name={name}"))
         .labels(&format!("{}={COMPONENT_PROXY}", labels::COMPONENT));
+    let ours = |d: &Deployment| {
+        d.labels().get(labels::COMPONENT).map(String::as_str) == Some(COMPONENT_PROXY)
+    };
     let marked = !services.list(&by_name).await?.items.is_empty()
-        || deployments
-            .get_opt(name)
-            .await?
-            .is_some_and(|d| ours(d.labels()));
+        || deployments.get_opt(name).await?.is_some_and(|d| ours(&d));
     if !marked {
         return Ok(());
     }

@@ -488,57 +488,44 @@ async fn scale_out(env: TestEnv) -> Result<()> {
     Ok(())
 }
 
+/// Whether `vc-proxy` of kind `K` exists.
+async fn exists<K>(client: &kube::Client, ns: &str) -> Result<bool>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned,
+{
+    Ok(Api::<K>::namespaced(client.clone(), ns)
+        .get_opt("vc-proxy")
+        .await?
+        .is_some())
+}
+
 /// Which of the proxy's objects (all named `vc-proxy`) exist, by kind.
 async fn proxy_objects(client: &kube::Client, ns: &str) -> Result<Vec<&'static str>> {
     use k8s_openapi::api::core::v1::ServiceAccount;
     use k8s_openapi::api::policy::v1::PodDisruptionBudget;
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-    let name = "vc-proxy";
-    let c = || client.clone();
-    let mut found = Vec::new();
-    if Api::<Deployment>::namespaced(c(), ns)
-        .get_opt(name)
-        .await?
-        .is_some()
-    {
-        found.push("Deployment");
-    }
-    if Api::<Service>::namespaced(c(), ns)
-        .get_opt(name)
-        .await?
-        .is_some()
-    {
-        found.push("Service");
-    }
-    if Api::<PodDisruptionBudget>::namespaced(c(), ns)
-        .get_opt(name)
-        .await?
-        .is_some()
-    {
-        found.push("PodDisruptionBudget");
-    }
-    if Api::<ServiceAccount>::namespaced(c(), ns)
-        .get_opt(name)
-        .await?
-        .is_some()
-    {
-        found.push("ServiceAccount");
-    }
-    if Api::<Role>::namespaced(c(), ns)
-        .get_opt(name)
-        .await?
-        .is_some()
-    {
-        found.push("Role");
-    }
-    if Api::<RoleBinding>::namespaced(c(), ns)
-        .get_opt(name)
-        .await?
-        .is_some()
-    {
-        found.push("RoleBinding");
-    }
-    Ok(found)
+    let kinds = [
+        ("Deployment", exists::<Deployment>(client, ns).await?),
+        ("Service", exists::<Service>(client, ns).await?),
+        (
+            "PodDisruptionBudget",
+            exists::<PodDisruptionBudget>(client, ns).await?,
+        ),
+        (
+            "ServiceAccount",
+            exists::<ServiceAccount>(client, ns).await?,
+        ),
+        ("Role", exists::<Role>(client, ns).await?),
+        ("RoleBinding", exists::<RoleBinding>(client, ns).await?),
+    ];
+    Ok(kinds
+        .into_iter()
+        .filter(|(_, found)| *found)
+        .map(|(kind, _)| kind)
+        .collect())
 }
 
 /// Turning proxy mode off deletes the proxy's objects: once when the proxy never ran (a
