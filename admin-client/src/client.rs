@@ -6,11 +6,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use redis_protocol::codec::Resp2;
+use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 use tokio_util::codec::Framed;
+use tokio_util::either::Either;
 
 use crate::depth::{BoundedCodec, FrameError};
+use crate::tls::Tls;
 use crate::{Error, Reply};
+
+/// A connection, plain or TLS.
+type Stream = Either<TcpStream, TlsStream<TcpStream>>;
 
 /// How long the client waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +35,23 @@ impl Default for Timeouts {
         Timeouts {
             connect: Duration::from_secs(5),
             reply: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How to reach a node: the timeouts, and TLS for nodes that speak only TLS.
+#[derive(Debug, Clone, Default)]
+pub struct Dial {
+    pub timeouts: Timeouts,
+    pub tls: Option<Tls>,
+}
+
+impl From<Timeouts> for Dial {
+    /// Plain TCP with these timeouts.
+    fn from(timeouts: Timeouts) -> Self {
+        Dial {
+            timeouts,
+            tls: None,
         }
     }
 }
@@ -59,7 +83,7 @@ impl Default for Timeouts {
 pub struct Client {
     addr: SocketAddr,
     timeouts: Timeouts,
-    framed: Framed<TcpStream, BoundedCodec<Resp2>>,
+    framed: Framed<Stream, BoundedCodec<Resp2>>,
     /// Set when a command failed midway: the next reply on this connection could belong to
     /// the failed command, so no further command is sent.
     broken: bool,
@@ -73,19 +97,45 @@ impl Client {
     /// [`Error::Connect`] if the connection is refused or fails, [`Error::Timeout`] (`what`
     /// is `"connect"`) if it is not made in time.
     pub async fn connect(addr: SocketAddr, timeouts: Timeouts) -> Result<Client, Error> {
-        let stream = tokio::time::timeout(timeouts.connect, TcpStream::connect(addr))
+        Client::dial(addr, &timeouts.into()).await
+    }
+
+    /// Connects to `addr` as `dial` says: over TLS when it has [`Tls`] settings, the
+    /// handshake within `dial.timeouts.connect` too.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect), and [`Error::Tls`] if the handshake fails (the node's
+    /// certificate is not signed by the CA, it wants a client certificate, it speaks plain
+    /// RESP).
+    pub async fn dial(addr: SocketAddr, dial: &Dial) -> Result<Client, Error> {
+        let timeouts = dial.timeouts;
+        let connect = async {
+            let tcp = TcpStream::connect(addr)
+                .await
+                .map_err(|source| Error::Connect { addr, source })?;
+            // Commands are small and each waits for its reply: send them at once.
+            tcp.set_nodelay(true)
+                .map_err(|source| Error::Connect { addr, source })?;
+            match &dial.tls {
+                None => Ok(Either::Left(tcp)),
+                // Nodes are dialled by IP; the name is not checked (crate::tls).
+                Some(tls) => tls
+                    .connector()
+                    .connect(ServerName::IpAddress(addr.ip().into()), tcp)
+                    .await
+                    .map(Either::Right)
+                    .map_err(|source| Error::Tls { addr, source }),
+            }
+        };
+        let stream = tokio::time::timeout(timeouts.connect, connect)
             .await
             .map_err(|_| Error::Timeout {
                 addr,
                 what: "connect",
                 after: timeouts.connect,
-            })?
-            .map_err(|source| Error::Connect { addr, source })?;
-        // Commands are small and each waits for its reply: send them at once.
-        stream
-            .set_nodelay(true)
-            .map_err(|source| Error::Connect { addr, source })?;
-        tracing::debug!(%addr, "connected");
+            })??;
+        tracing::debug!(%addr, tls = dial.tls.is_some(), "connected");
         Ok(Client {
             addr,
             timeouts,

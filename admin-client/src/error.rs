@@ -22,6 +22,13 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// The TLS handshake failed.
+    #[error("{addr}: TLS handshake: {source}")]
+    Tls {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+
     /// The node did not answer in time; `what` is `"connect"` or `"reply"`.
     #[error("{addr}: {what} timed out after {after:?}")]
     Timeout {
@@ -78,6 +85,7 @@ impl Error {
     pub fn label(&self) -> &'static str {
         match self {
             Error::Connect { .. } => "connect",
+            Error::Tls { .. } => "tls",
             Error::Timeout { .. } => "timeout",
             Error::Io { .. } => "io",
             Error::Closed { .. } => "closed",

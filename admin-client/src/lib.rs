@@ -11,6 +11,7 @@
 //!   operator forms and heals clusters from.
 //! - `commands`: the other typed helpers, one command each: [`Client::ping`],
 //!   [`Client::cluster_myid`], [`Client::cluster_info`].
+//! - [`tls`]: [`Tls`], for nodes that speak only TLS ([`Client::dial`] with a [`Dial`]).
 //! - [`error`]: [`Error`], whose [`label`](Error::label) is the metric label.
 //!
 //! Replies are redis-protocol's RESP2 [`BytesFrame`](redis_protocol::resp2::types::BytesFrame),
@@ -24,9 +25,11 @@ pub mod depth;
 pub mod error;
 pub mod nodes;
 pub mod shards;
+pub mod tls;
 
-pub use client::{Client, Timeouts};
+pub use client::{Client, Dial, Timeouts};
 pub use error::Error;
 pub use nodes::{parse_nodes, NodeLine};
 pub use redis_protocol::resp2::types::BytesFrame as Reply;
 pub use shards::{parse_shards, NodeView, ShardView};
+pub use tls::{Tls, TlsError};

@@ -253,3 +253,73 @@ async fn cluster_nodes_agrees_with_cluster_shards() {
         }
     }
 }
+
+/// A node that speaks only TLS, and asks clients for a certificate (Valkey's default): the
+/// client checks the node's chain against the CA but not its name (nodes are dialled by IP,
+/// which this certificate does not name), presents its own certificate, and fails the
+/// handshake, naming the node, on a node signed by another CA or without a certificate.
+#[tokio::test]
+async fn tls_checks_the_chain_not_the_name_and_presents_the_client_certificate() {
+    use shardgate_admin_client::{Dial, Tls};
+    use shardgate_harness::tls::TestPki;
+    use shardgate_harness::valkey::Standalone;
+
+    let pki = TestPki::new("cluster.test").unwrap();
+    let node = pki
+        .node_cert("node", &["vc-0-0.cluster.test".to_string()])
+        .unwrap();
+    let server = tokio::task::spawn_blocking({
+        let (cert, key, ca) = (node.cert.clone(), node.key.clone(), pki.ca.clone());
+        move || Standalone::start_tls(&cert, &key, &ca)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let addr: SocketAddr = ([127, 0, 0, 1], server.port).into();
+    let dial = |tls: Tls| Dial {
+        timeouts: Timeouts::default(),
+        tls: Some(tls),
+    };
+    let identity = Some((node.cert_pem.as_bytes(), node.key_pem.as_bytes()));
+
+    let tls = Tls::from_pem(pki.ca_pem.as_bytes(), identity).unwrap();
+    let mut client = Client::dial(addr, &dial(tls)).await.unwrap();
+    client.ping().await.unwrap();
+    let reply = client.command(["SET", "k", "v"]).await.unwrap();
+    assert_eq!(reply, Reply::SimpleString("OK".into()));
+
+    // The plain protocol on a TLS port: Valkey drops the connection.
+    let mut plain = connect(addr).await;
+    assert!(
+        plain.ping().await.is_err(),
+        "plain RESP answered on the TLS port"
+    );
+
+    // No client certificate: the node refuses the handshake (TLS 1.3 reports it on the
+    // first read, so the command fails rather than the dial).
+    let anonymous = Tls::from_pem(pki.ca_pem.as_bytes(), None).unwrap();
+    let refused = match Client::dial(addr, &dial(anonymous)).await {
+        Ok(mut c) => c.ping().await.err(),
+        Err(e) => Some(e),
+    };
+    assert!(refused.is_some(), "a client without a certificate got in");
+
+    // A node signed by another CA is not trusted.
+    let other = TestPki::new("other.test").unwrap();
+    let stranger = Tls::from_pem(other.ca_pem.as_bytes(), identity).unwrap();
+    match Client::dial(addr, &dial(stranger)).await {
+        Err(e @ Error::Tls { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains(&addr.to_string()), "{message}");
+            assert!(message.contains("UnknownIssuer"), "{message}");
+        }
+        other => panic!("a node of another CA was trusted: {other:?}"),
+    }
+
+    // PEM without what it must hold is a clear error, not a panic.
+    let e = Tls::from_pem(b"not pem", None).unwrap_err();
+    assert!(e.to_string().starts_with("ca: "), "{e}");
+    let e =
+        Tls::from_pem(pki.ca_pem.as_bytes(), Some((node.cert_pem.as_bytes(), b""))).unwrap_err();
+    assert!(e.to_string().starts_with("key: "), "{e}");
+}

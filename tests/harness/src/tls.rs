@@ -123,6 +123,19 @@ impl TestPki {
         self.server_cert(stem, &[format!("*.{}", self.domain)], true)
     }
 
+    /// A Valkey node's certificate for `names`: for server and client authentication both,
+    /// since a node presents it both ways (to clients, and to the nodes and primaries it
+    /// dials on the cluster bus and for replication).
+    pub fn node_cert(&self, stem: &str, names: &[String]) -> Result<CertPair> {
+        let mut params = CertificateParams::new(names.to_vec())?;
+        params.distinguished_name.push(DnType::CommonName, stem);
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        self.sign(stem, params)
+    }
+
     /// A client certificate (mTLS) with common name `cn`.
     pub fn client_cert(&self, stem: &str, cn: &str) -> Result<CertPair> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;

