@@ -32,8 +32,9 @@ const BASE: &[(&str, &str)] = &[
     ("protected-mode", "no"),
 ];
 
-/// The text of `valkey.conf`: the base settings, the port, then `spec.config` (sorted, so
-/// the text and its hash are stable); a user setting replaces a base one of the same name.
+/// The text of `valkey.conf`: the port (with `spec.tls`, the TLS settings), then the base
+/// settings and `spec.config` (sorted, so the text and its hash are stable); a user setting
+/// replaces a base one of the same name.
 pub fn render(vc: &ValkeyCluster) -> Result<String> {
     let mut settings: BTreeMap<String, String> = BASE
         .iter()
@@ -61,7 +62,15 @@ pub fn render(vc: &ValkeyCluster) -> Result<String> {
             ea.preferred_endpoint_type.as_str().into(),
         );
     }
-    let mut text = format!("port {CLIENT_PORT}\n");
+    // TLS: the client port speaks TLS only, and so do the bus and replication.
+    let mut text = String::new();
+    if vc.spec.tls.is_some() {
+        for (k, v) in crate::tls::settings() {
+            let _ = writeln!(text, "{k} {v}");
+        }
+    } else {
+        let _ = writeln!(text, "port {CLIENT_PORT}");
+    }
     for (k, v) in &settings {
         let _ = writeln!(text, "{k} {v}");
     }
@@ -110,6 +119,25 @@ mod tests {
         assert!(text.starts_with("port 6379\n"), "{text}");
         assert!(text.contains("\nmaxmemory 1gb\n"), "{text}");
         assert!(text.contains("\nappendonly yes\n"), "{text}");
+        // On TLS: the client port, the bus and replication (the Secret's files are on the
+        // command line); what the user says of client certificates stays.
+        let tls = ValkeyCluster::test("vc")
+            .tls("vc-tls")
+            .config("tls-auth-clients", "optional");
+        let text = render(&tls).unwrap();
+        assert!(
+            text.starts_with("port 0\ntls-port 6379\ntls-cluster yes\ntls-replication yes\n"),
+            "{text}"
+        );
+        assert!(text.contains("\ntls-auth-clients optional\n"), "{text}");
+        assert_eq!(text.matches("port ").count(), 2, "{text}");
+        for key in ["tls-cluster", "TLS-Port"] {
+            let vc = ValkeyCluster::test("vc").tls("vc-tls").config(key, "no");
+            assert!(
+                matches!(render(&vc), Err(Error::Invalid(_))),
+                "{key} accepted"
+            );
+        }
         for (key, value) in [
             ("PORT", "7000"),
             ("Bind", "0.0.0.0"),

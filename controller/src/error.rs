@@ -19,6 +19,8 @@ pub enum Error {
     Invalid(String),
     #[error("talking to the nodes: {0}")]
     Formation(#[from] FormationError),
+    #[error("spec.tls: Secret {secret} {why}")]
+    TlsSecret { secret: String, why: String },
 }
 
 impl Error {
@@ -30,6 +32,7 @@ impl Error {
             Error::Metadata(_) => "metadata",
             Error::Invalid(_) => "invalid",
             Error::Formation(_) => "formation",
+            Error::TlsSecret { .. } => "tls_secret",
         }
     }
 }

@@ -29,7 +29,7 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use shardgate_admin_client::{Client, NodeLine, Timeouts};
+use shardgate_admin_client::{Client, Dial, NodeLine};
 use shardgate_crds::NodeRef;
 
 /// Hash slots in a cluster.
@@ -71,7 +71,8 @@ pub struct Plan {
     /// id that none of them has is gone for good, so a lost primary without a replica may
     /// be forgotten with its slots rather than waited for.
     pub lost_are_gone: bool,
-    pub timeouts: Timeouts,
+    /// How the nodes are dialled (TLS with `spec.tls`).
+    pub dial: Dial,
 }
 
 /// A node's announced client address, each part optional (the pod's own otherwise).
@@ -187,7 +188,7 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
         let Some(addr) = *addr else {
             return Ok(Progress::Waiting(format!("node {node} has no ready pod")));
         };
-        let mut client = match Client::connect(addr, plan.timeouts).await {
+        let mut client = match Client::dial(addr, &plan.dial).await {
             Ok(c) => c,
             Err(e) => return Ok(Progress::Waiting(format!("node {node} at {addr}: {e}"))),
         };
@@ -226,7 +227,7 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
     let mut leaving_ids = BTreeSet::new();
     for &addr in &plan.leaving {
         let view = async {
-            let mut client = Client::connect(addr, plan.timeouts).await?;
+            let mut client = Client::dial(addr, &plan.dial).await?;
             client.cluster_nodes().await
         };
         if let Some(me) = view
@@ -957,7 +958,7 @@ mod tests {
             .unwrap()
             .expect("a two-shard Valkey cluster (run scripts/setup for valkey-server)");
         let (source, target) = (NodeRef::new(0, 0), NodeRef::new(1, 0));
-        let mut client = Client::connect(cluster.node(source).addr(), Timeouts::default())
+        let mut client = Client::connect(cluster.node(source).addr(), Default::default())
             .await
             .unwrap();
         assert_eq!(migrations(&mut client).await.unwrap(), Migrations::Idle);
@@ -1035,7 +1036,7 @@ mod tests {
         let (primary, wiped) = (NodeRef::new(1, 0), NodeRef::new(1, 1));
         let old_id = cluster.node(wiped).node_id.clone();
         let addr = |n: NodeRef| cluster.node(n).addr();
-        let mut client = Client::connect(addr(wiped), Timeouts::default())
+        let mut client = Client::connect(addr(wiped), Default::default())
             .await
             .unwrap();
         client.command(["CLUSTER", "RESET", "HARD"]).await.unwrap();
@@ -1051,7 +1052,7 @@ mod tests {
             announced: BTreeMap::new(),
             leaving: leaving.iter().map(|&n| addr(n)).collect(),
             lost_are_gone: false,
-            timeouts: Timeouts::default(),
+            dial: Dial::default(),
         };
         // It is met, and asked again at once (the handshake takes a cluster tick or more):
         // not met again while that is under way.
@@ -1094,7 +1095,7 @@ mod tests {
         assert!(!did.contains("migrating"), "slots moved: {did}");
         let primary_id = cluster.node(primary).node_id.clone();
         for n in staying {
-            let view = Client::connect(addr(n), Timeouts::default())
+            let view = Client::connect(addr(n), Default::default())
                 .await
                 .unwrap()
                 .cluster_nodes()
@@ -1133,7 +1134,7 @@ mod tests {
             .expect("a two-shard Valkey cluster (run scripts/setup for valkey-server)");
         let lost = NodeRef::new(1, 0);
         let addr = |n: NodeRef| cluster.node(n).addr();
-        let mut client = Client::connect(addr(lost), Timeouts::default())
+        let mut client = Client::connect(addr(lost), Default::default())
             .await
             .unwrap();
         client.command(["CLUSTER", "RESET", "HARD"]).await.unwrap();
@@ -1145,7 +1146,7 @@ mod tests {
             announced: BTreeMap::new(),
             leaving: Vec::new(),
             lost_are_gone: true,
-            timeouts: Timeouts::default(),
+            dial: Dial::default(),
         };
         let mut acted = Vec::new();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);

@@ -6,6 +6,8 @@
 //!   Service), [`statefulset`] (one per node), [`pdb`].
 //! - [`external`]: external access in announce mode: the per-shard (or per-node) Services,
 //!   the announce flags, `status.externalEndpoints` and `status.bootstrap`.
+//! - [`tls`]: `spec.tls`: the Secret in the pods, valkey.conf on TLS, and how the operator
+//!   dials such nodes.
 //! - [`pods`]: each node's pod (address, readiness, config hash) from the index labels.
 //! - [`formation`]: forming and healing the cluster over RESP (MEET, FORGET, ADDSLOTSRANGE,
 //!   REPLICATE), one step per reconcile.
@@ -35,6 +37,7 @@ pub mod scale;
 pub mod service;
 pub mod statefulset;
 pub mod status;
+pub mod tls;
 
 pub use context::Context;
 pub use error::{Error, Result};

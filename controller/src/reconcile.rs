@@ -80,20 +80,8 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .validate()
         .map_err(|e| Error::Invalid(e.to_string()))?;
 
-    if let Some(tls) = vc
-        .spec
-        .tls
-        .as_ref()
-        .filter(|_| ctx.first_warning(vc, "TLSNotConfigured"))
-    {
-        let note = format!(
-            "spec.tls is set, but this operator version does not configure TLS on the Valkey \
-             nodes: Secret {} is not mounted, and the nodes serve and announce plain RESP \
-             (proxy mode's passthrough, which needs nodes that speak TLS, cannot work)",
-            tls.secret_name
-        );
-        publish(ctx, vc, EventType::Warning, "TLSNotConfigured", &note).await;
-    }
+    // How the operator dials the nodes: over TLS with spec.tls's Secret, which must exist.
+    let dial = crate::tls::dial(vc, ctx).await?;
     if let Some(ea) = vc.spec.external_access.as_ref().filter(|ea| ea.enabled) {
         let ignored = ea.ignored_fields();
         if !ignored.is_empty() && ctx.first_warning(vc, "FieldsIgnored") {
@@ -168,7 +156,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }
     // Nodes the spec no longer has leave first, one at a time. Rolling waits for them, and
     // so does formation, but for healing the nodes that stay while slots move (below).
-    let scaled_in = match scale::remove_extra_nodes(vc, ctx, &pods).await? {
+    let scaled_in = match scale::remove_extra_nodes(vc, ctx, &dial, &pods).await? {
         scale::ScaleIn::Done => None,
         scale::ScaleIn::Acted(what) => {
             announce(ctx, vc, "scale_in", EventType::Normal, "ScaleIn", &what).await;
@@ -209,7 +197,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     // Only nodes that announce: without announce mode their pods have no announce flags
     // (a change of mode rolls them), and nothing was set at run time to keep or clear.
     if ea.is_some() {
-        for what in external::announce::set_runtime_ips(&pods, &node_hosts, ctx.timeouts).await {
+        for what in external::announce::set_runtime_ips(&pods, &node_hosts, &dial).await {
             info!(cluster = %name, "{what}");
             publish(ctx, vc, EventType::Normal, "AnnounceAddress", &what).await;
         }
@@ -242,7 +230,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             .collect(),
         leaving,
         lost_are_gone: scaled_in.is_none(),
-        timeouts: ctx.timeouts,
+        dial: dial.clone(),
     };
     let scaling_in = scaled_in.is_some();
     let mut progress = match scaled_in {
@@ -281,7 +269,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .collect();
     let mut rolled = false;
     if let Progress::Formed(formed) = &progress {
-        let step = rolling::step(vc, ctx, &pods, formed, &stale).await?;
+        let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale).await?;
         rolled = step.is_some();
         match step {
             Some(rolling::Step::Acted(what)) => {

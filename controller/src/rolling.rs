@@ -7,7 +7,7 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams};
-use shardgate_admin_client::Client;
+use shardgate_admin_client::{Client, Dial};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 
@@ -81,6 +81,7 @@ pub enum Step {
 pub async fn step(
     vc: &ValkeyCluster,
     ctx: &Context,
+    dial: &Dial,
     pods: &Pods,
     formed: &Formed,
     stale: &[NodeRef],
@@ -113,7 +114,7 @@ pub async fn step(
                 return Ok(None);
             };
             let failover = async {
-                let mut client = Client::connect(addr, ctx.timeouts).await?;
+                let mut client = Client::dial(addr, dial).await?;
                 client.command(["CLUSTER", "FAILOVER"]).await
             };
             failover.await.map_err(|source| FormationError::Node {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::ResourceExt;
-use shardgate_admin_client::{Client, NodeLine};
+use shardgate_admin_client::{Client, Dial, NodeLine};
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
@@ -35,7 +35,12 @@ pub enum ScaleIn {
 
 /// Removes one node the spec no longer has, or fails it over or moves its shard's slots
 /// away first.
-pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) -> Result<ScaleIn> {
+pub async fn remove_extra_nodes(
+    vc: &ValkeyCluster,
+    ctx: &Context,
+    dial: &Dial,
+    pods: &Pods,
+) -> Result<ScaleIn> {
     let api: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), &namespace(vc)?);
     let desired: Vec<NodeRef> = vc.spec.node_refs().collect();
     let shards = vc.spec.shards.max(0) as u32;
@@ -67,7 +72,7 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
         }
         if s >= shards {
             let nodes = leaving.get(&s).map_or(&[][..], Vec::as_slice);
-            match drain_shard(ctx, pods, s, shards, nodes).await? {
+            match drain_shard(dial, pods, s, shards, nodes).await? {
                 ScaleIn::Done => {}
                 other => return Ok(other),
             }
@@ -80,7 +85,7 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
             .filter(|_| s < shards);
         if let Some(addr) = addr {
             let primary = async {
-                let mut c = Client::connect(addr, ctx.timeouts).await?;
+                let mut c = Client::dial(addr, dial).await?;
                 let lines = c.cluster_nodes().await?;
                 Ok::<_, shardgate_admin_client::Error>(
                     lines
@@ -97,7 +102,7 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
                     return Ok(ScaleIn::Done);
                 };
                 let failover = async {
-                    let mut c = Client::connect(heir_addr, ctx.timeouts).await?;
+                    let mut c = Client::dial(heir_addr, dial).await?;
                     c.command(["CLUSTER", "FAILOVER"]).await
                 };
                 failover.await.map_err(|source| FormationError::Node {
@@ -126,7 +131,7 @@ pub async fn remove_extra_nodes(vc: &ValkeyCluster, ctx: &Context, pods: &Pods) 
 /// node, asked here (another shard that goes may still hold its slots). A node that
 /// answered none of them may then go without a slot lost.
 async fn served_by_answering(
-    ctx: &Context,
+    dial: &Dial,
     pods: &Pods,
     asked: &[NodeRef],
     mut views: Vec<Vec<NodeLine>>,
@@ -139,7 +144,7 @@ async fn served_by_answering(
     {
         let Some(addr) = pod.addr else { continue };
         let view = async {
-            let mut c = Client::connect(addr, ctx.timeouts).await?;
+            let mut c = Client::dial(addr, dial).await?;
             c.cluster_nodes().await
         };
         if let Ok(view) = view.await {
@@ -183,7 +188,7 @@ fn all_served_by_answering(views: &[Vec<NodeLine>]) -> bool {
 /// scheduled), only when every answering node's view has every slot served by answering
 /// nodes (a node that did not answer may hold slots, and removing it would drop them).
 async fn drain_shard(
-    ctx: &Context,
+    dial: &Dial,
     pods: &Pods,
     shard: u32,
     shards: u32,
@@ -203,7 +208,7 @@ async fn drain_shard(
             continue;
         };
         let view = async {
-            let mut client = Client::connect(addr, ctx.timeouts).await?;
+            let mut client = Client::dial(addr, dial).await?;
             let view = client.cluster_nodes().await?;
             Ok::<_, shardgate_admin_client::Error>((client, view))
         };
@@ -221,7 +226,7 @@ async fn drain_shard(
         }
     }
     let Some((node, addr, mut client, slots)) = source else {
-        if !unanswered.is_empty() && !served_by_answering(ctx, pods, leaving, views).await {
+        if !unanswered.is_empty() && !served_by_answering(dial, pods, leaving, views).await {
             let names: Vec<String> = unanswered.iter().map(NodeRef::to_string).collect();
             return Ok(ScaleIn::Waiting(format!(
                 "shard {shard} goes; node(s) {} do not answer and may still hold slots: \
@@ -263,7 +268,7 @@ async fn drain_shard(
             continue;
         };
         let id = async {
-            let mut c = Client::connect(a, ctx.timeouts).await?;
+            let mut c = Client::dial(a, dial).await?;
             let me = c.cluster_nodes().await?.into_iter().find(|l| l.is_myself());
             Ok::<_, shardgate_admin_client::Error>(me.map(|m| m.id))
         };

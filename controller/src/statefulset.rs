@@ -15,6 +15,7 @@ use crate::configmap::{self, BUS_PORT, CLIENT_PORT};
 use crate::context::Context;
 use crate::error::Result;
 use crate::objects::{apply, build, namespace, node_labels, owner};
+use crate::tls;
 
 /// The pod annotation holding the config hash.
 pub const CONFIG_HASH: &str = "shardgate.io/config-hash";
@@ -26,11 +27,15 @@ const DATA_DIR: &str = "/data";
 /// The hash a node's pods carry ([`CONFIG_HASH`]): of everything a running pod cannot take
 /// on without a restart, so that a change of any of it rolls the pods ([`crate::rolling`];
 /// the StatefulSets use `OnDelete`). That is the config (`config_hash`), the node's own
-/// flags (`args`: announce mode), the image and the resources. A part at its default (no
-/// flags, the default image, no resources) adds nothing, so that a cluster without it keeps
+/// flags (`args`: announce mode), the TLS Secret, the image and the resources. A part at
+/// its default (no flags, no TLS, the default image, no resources) adds nothing, so that a cluster without it keeps
 /// the hash it had before the part was added: an operator upgrade does not roll it.
 pub fn pod_hash(vc: &ValkeyCluster, config_hash: &str, args: &[String]) -> Result<String> {
     let mut parts = args.to_vec();
+    // Valkey reads its certificate at start: a pod on another Secret is a new pod.
+    if let Some(tls) = &vc.spec.tls {
+        parts.push(format!("tls={}", tls.secret_name));
+    }
     if vc.spec.image != defaults::IMAGE {
         parts.push(format!("image={}", vc.spec.image));
     }
@@ -73,6 +78,9 @@ pub fn build_node(
         "--cluster-announce-human-nodename".into(),
         name.clone(),
     ];
+    if vc.spec.tls.is_some() {
+        command.extend(tls::args());
+    }
     command.extend(announce.iter().cloned());
     // The external Services of announce mode target each node by a name only its container
     // port has (a port can have one name: server-side apply keys container ports by number).
@@ -81,6 +89,22 @@ pub fn build_node(
     } else {
         "client".to_string()
     };
+    let mut mounts = vec![
+        json!({ "name": "config", "mountPath": CONFIG_DIR, "readOnly": true }),
+        json!({ "name": "data", "mountPath": DATA_DIR }),
+    ];
+    let mut volumes = vec![json!({
+        "name": "config",
+        "configMap": { "name": objects::config_map(&cluster) },
+    })];
+    if let Some(tls) = &vc.spec.tls {
+        mounts.push(json!({ "name": tls::VOLUME, "mountPath": tls::DIR, "readOnly": true }));
+        // Readable by the group the pod runs as (fsGroup), not by others.
+        volumes.push(json!({
+            "name": tls::VOLUME,
+            "secret": { "secretName": tls.secret_name, "defaultMode": 0o440 },
+        }));
+    }
     let mut container = json!({
         "name": "valkey",
         "image": vc.spec.image,
@@ -95,10 +119,7 @@ pub fn build_node(
             "periodSeconds": 2,
             "failureThreshold": 3,
         },
-        "volumeMounts": [
-            { "name": "config", "mountPath": CONFIG_DIR, "readOnly": true },
-            { "name": "data", "mountPath": DATA_DIR },
-        ],
+        "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": false,
             "readOnlyRootFilesystem": true,
@@ -112,10 +133,6 @@ pub fn build_node(
                 source,
             })?;
     }
-    let mut volumes = vec![json!({
-        "name": "config",
-        "configMap": { "name": objects::config_map(&cluster) },
-    })];
     let mut claims: Vec<Value> = Vec::new();
     match &vc.spec.persistence {
         Some(p) => {
@@ -203,6 +220,14 @@ mod tests {
         vc.spec.image = defaults::IMAGE.into();
         assert_eq!(hash(&vc, &[]), "abc", "back to the default image");
 
+        let tls = |secret: &str| hash(&ValkeyCluster::test("vc").tls(secret), &[]);
+        assert!(
+            tls("a") != "abc" && tls("a") != tls("b"),
+            "{} {}",
+            tls("a"),
+            tls("b")
+        );
+
         let memory = |q: &str| ResourceRequirements {
             limits: Some([("memory".to_string(), Quantity(q.into()))].into()),
             ..ResourceRequirements::default()
@@ -212,5 +237,38 @@ mod tests {
         vc.spec.resources = Some(memory("2Gi"));
         let two = hash(&vc, &[]);
         assert!(one != "abc" && two != "abc" && one != two, "{one} {two}");
+    }
+
+    /// With `spec.tls`, the Secret is mounted read-only where valkey.conf looks for it,
+    /// readable by the pod's group only; without, there is no such volume.
+    #[test]
+    fn a_tls_cluster_mounts_its_secret() {
+        let node = NodeRef::new(0, 0);
+        let json = |vc: &ValkeyCluster| {
+            serde_json::to_value(build_node(vc, node, "h", &[]).unwrap()).unwrap()
+        };
+        let sts = json(&ValkeyCluster::test("vc").tls("vc-certs"));
+        let pod = &sts["spec"]["template"]["spec"];
+        let volume = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "tls")
+            .unwrap();
+        assert_eq!(volume["secret"]["secretName"], "vc-certs");
+        assert_eq!(volume["secret"]["defaultMode"], 0o440);
+        let command = pod["containers"][0]["command"].to_string();
+        assert!(
+            command.contains(r#""--tls-cert-file","/tls/tls.crt","--tls-key-file","/tls/tls.key","--tls-ca-cert-file","/tls/ca.crt""#),
+            "{command}"
+        );
+        let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
+        assert!(
+            mounts.contains(&json!({ "name": "tls", "mountPath": "/tls", "readOnly": true })),
+            "{mounts:?}"
+        );
+        let plain = json(&ValkeyCluster::test("vc"));
+        let text = plain.to_string();
+        assert!(!text.contains("\"tls\""), "{text}");
     }
 }

@@ -16,7 +16,8 @@
 //! | `domain` (or an `advertisedHost` that is a DNS name) for `preferredEndpointType: hostname`; `domain` for `proxy.tls`; `proxy` for `mode: proxy` | CEL on `externalAccess` |
 //! | `secretName` for TLS `terminate` | CEL on `externalAccess.proxy.tls` |
 //! | no key of [`RESERVED_CONFIG_KEYS`] in `config` | CEL on `config` |
-//! | `portsPerShard` and `persistence` immutable ([`immutable`]) | CEL transition rules |
+//! | no `tls` with `externalAccess.mode: proxy` | CEL on the spec |
+//! | `portsPerShard` and `persistence` immutable, `tls` present or not for good ([`immutable`]) | CEL transition rules |
 
 use kube::core::{Message, Reason, Rule};
 
@@ -48,6 +49,8 @@ pub const RESERVED_CONFIG_KEYS: &[&str] = &[
     "cluster-announce-hostname",
     "cluster-announce-human-nodename",
     "cluster-preferred-endpoint-type",
+    "tls-cluster",
+    "tls-replication",
     "tls-cert-file",
     "tls-key-file",
     "tls-ca-cert-file",
@@ -64,6 +67,10 @@ pub mod immutable {
     /// Adding or removing `persistence`.
     pub const PERSISTENCE_PRESENCE: &str = "persistence cannot be added or removed: the nodes' \
         StatefulSets' volumeClaimTemplates cannot change, and the data lives on those volumes";
+    /// Adding or removing `tls`.
+    pub const TLS_PRESENCE: &str = "tls cannot be added or removed: the nodes would have to \
+        restart one at a time, and a node on TLS and one on plain RESP cannot talk on the \
+        cluster bus; make a new cluster (a new Secret for the same cluster is fine)";
     /// Changing `persistence`.
     pub const PERSISTENCE: &str = "persistence is immutable: the nodes' StatefulSets' \
         volumeClaimTemplates (size, storageClassName) cannot change";
@@ -125,6 +132,22 @@ pub(crate) fn passthrough_rule() -> Rule {
     ))
     .message("externalAccess.proxy.tls.mode passthrough needs tls: the nodes must speak TLS")
     .field_path(".externalAccess.proxy.tls.mode")
+    .reason(Reason::FieldValueForbidden)
+}
+
+/// Why `tls` is refused in proxy mode (the CEL message and [`SpecError`]'s).
+pub const TLS_WITH_PROXY_MODE: &str = "tls is not supported with externalAccess.mode proxy \
+    yet: the proxy dials the nodes in plain RESP; use mode announce (or a Gateway), or leave \
+    tls out and terminate TLS at the proxy (externalAccess.proxy.tls)";
+
+/// Nodes that speak TLS only cannot sit behind the proxy: it dials them in plain RESP.
+pub(crate) fn tls_proxy_mode_rule() -> Rule {
+    Rule::new(format!(
+        "!has(self.tls) || {} || self.externalAccess.mode != 'proxy'",
+        cel_absent("externalAccess.mode")
+    ))
+    .message(TLS_WITH_PROXY_MODE)
+    .field_path(".tls")
     .reason(Reason::FieldValueForbidden)
 }
 
@@ -194,6 +217,8 @@ pub enum SpecError {
     PassthroughWithoutTls,
     #[error("{VERIFY_CLIENTS_NEEDS_TERMINATE}")]
     VerifyClientsNeedsTerminate,
+    #[error("{TLS_WITH_PROXY_MODE}")]
+    TlsWithProxyMode,
     /// The reserved keys `config` sets, in [`RESERVED_CONFIG_KEYS`]' order.
     #[error("{RESERVED_CONFIG_MESSAGE}: {}", .0.join(" "))]
     ReservedConfigKeys(Vec<String>),
@@ -278,6 +303,10 @@ impl ValkeyClusterSpec {
                 return Err(SpecError::Empty {
                     field: "tls.secretName",
                 });
+            }
+            let proxy_mode = self.external_access.as_ref().map(|ea| ea.mode);
+            if proxy_mode == Some(ExternalAccessMode::Proxy) {
+                return Err(SpecError::TlsWithProxyMode);
             }
         }
         if let Some(ea) = &self.external_access {
@@ -431,6 +460,12 @@ impl ValkeyClusterSpec {
                 })
             }
         }
+        if old.tls.is_some() != self.tls.is_some() {
+            return Err(SpecError::Immutable {
+                field: "tls",
+                message: immutable::TLS_PRESENCE,
+            });
+        }
         Ok(())
     }
 }
@@ -583,13 +618,41 @@ mod tests {
                 .validate(),
             Err(SpecError::PassthroughWithoutTls)
         );
+        // Nodes on TLS cannot sit behind the proxy yet, passthrough or not; other modes
+        // take them.
         assert_eq!(
             vc().tls("t")
                 .external(tls.proxy_tls(6380, ProxyTlsMode::Passthrough, None))
                 .spec
                 .validate(),
+            Err(SpecError::TlsWithProxyMode)
+        );
+        assert_eq!(
+            vc().tls("t")
+                .external(ExternalAccess::announce())
+                .spec
+                .validate(),
             Ok(())
         );
+    }
+
+    #[test]
+    fn tls_is_there_or_not_for_good() {
+        let plain = vc().spec;
+        let tls = vc().tls("a").spec;
+        assert_eq!(tls.validate_update(&tls), Ok(()));
+        assert_eq!(
+            vc().tls("b").spec.validate_update(&tls),
+            Ok(()),
+            "another Secret"
+        );
+        for (new, old) in [(&tls, &plain), (&plain, &tls)] {
+            let err = new.validate_update(old).unwrap_err();
+            assert!(
+                matches!(err, SpecError::Immutable { field: "tls", .. }),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::names::Hostnames;
 use crate::ports::{NodeRef, PortLayout};
 use crate::validation::{
     immutable, passthrough_rule, port_range_rule, proxy_tls_port_rule, reserved_config_rule,
-    SpecError, BASE_PORT_FIELDS, MAX_SHARDS,
+    tls_proxy_mode_rule, SpecError, BASE_PORT_FIELDS, MAX_SHARDS,
 };
 
 /// Defaults of the spec, applied by serde and written into the schema (so the API server
@@ -82,6 +82,7 @@ pub mod defaults {
         .field_path(".portsPerShard"),
     validation = proxy_tls_port_rule(),
     validation = passthrough_rule(),
+    validation = tls_proxy_mode_rule(),
     validation = Rule::new(
             "has(oldSelf.portsPerShard) \
              ? (has(self.portsPerShard) && self.portsPerShard == oldSelf.portsPerShard) \
@@ -93,6 +94,10 @@ pub mod defaults {
     validation = Rule::new("has(self.persistence) == has(oldSelf.persistence)")
         .message(immutable::PERSISTENCE_PRESENCE)
         .field_path(".persistence")
+        .reason(Reason::FieldValueForbidden),
+    validation = Rule::new("has(self.tls) == has(oldSelf.tls)")
+        .message(immutable::TLS_PRESENCE)
+        .field_path(".tls")
         .reason(Reason::FieldValueForbidden),
 )]
 pub struct ValkeyClusterSpec {
@@ -123,11 +128,12 @@ pub struct ValkeyClusterSpec {
     #[x_kube(validation = reserved_config_rule())]
     pub config: BTreeMap<String, String>,
 
-    /// TLS between clients and nodes and among the nodes, with this Secret's certificate.
-    /// Not acted on yet: this operator version does not mount the Secret or configure TLS
-    /// on the nodes, which serve and announce plain RESP; a Warning event
-    /// `TLSNotConfigured` says so. Terminate TLS in front of them with the proxy
-    /// (`externalAccess.proxy.tls`) instead.
+    /// TLS between clients and nodes and among the nodes, with this Secret's certificate:
+    /// the nodes speak only TLS, on the client port, the cluster bus and replication, and
+    /// ask clients for a certificate signed by its `ca.crt` unless `config` sets
+    /// `tls-auth-clients` to `no` or `optional`. Can be neither added nor removed (a node on
+    /// TLS and one on plain RESP cannot talk on the cluster bus); not with
+    /// `externalAccess.mode: proxy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsSpec>,
 
@@ -177,7 +183,11 @@ impl Default for ValkeyClusterSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TlsSpec {
-    /// A Secret in the cluster's namespace with `ca.crt`, `tls.crt` and `tls.key`.
+    /// A Secret in the cluster's namespace with `ca.crt`, `tls.crt` and `tls.key` (a
+    /// `kubernetes.io/tls` Secret as cert-manager writes it). Every node presents `tls.crt`
+    /// as server and as client (cluster bus, replication), so it needs both extended key
+    /// usages (or none); the operator presents it too. A change of name restarts the nodes
+    /// one at a time: the new certificate must chain to a CA the old nodes trust.
     #[schemars(length(min = 1, max = 253))]
     pub secret_name: String,
 }

@@ -7,7 +7,9 @@
 use kube::CustomResourceExt;
 use kube_cel::{compile_schema, CompiledSchema, Validator};
 use serde_json::Value;
-use shardgate_crds::external_access::{EndpointType, ExternalAccess, ProxyTlsMode};
+use shardgate_crds::external_access::{
+    EndpointType, ExternalAccess, ExternalAccessMode, ProxyTlsMode,
+};
 use shardgate_crds::validation::BASE_PORT_FIELDS;
 use shardgate_crds::valkey_cluster::{crd_yaml, CRD_FILE};
 use shardgate_crds::{SpecError, ValkeyCluster};
@@ -221,22 +223,34 @@ fn other_create_rules_agree() {
             Some("tls"), // passthrough without spec.tls
         ),
         (
-            "passthrough with tls",
+            "passthrough with tls (nodes on TLS, not behind the proxy yet)",
             base().tls("vc-tls").external(
                 ExternalAccess::proxy(31000)
                     .domain("example.com")
                     .proxy_tls(6380, ProxyTlsMode::Passthrough, None),
             ),
+            Some("tls is not supported with externalAccess.mode proxy yet"),
+        ),
+        (
+            "tls with proxy mode",
+            base().tls("vc-tls").external(ExternalAccess::proxy(31000)),
+            Some("tls is not supported with externalAccess.mode proxy yet"),
+        ),
+        (
+            "tls with announce mode",
+            base().tls("vc-tls").external(ExternalAccess::announce()),
             None,
         ),
         (
-            "verifyClients with passthrough",
-            base().tls("vc-tls").external(
-                ExternalAccess::proxy(31000)
+            "verifyClients with passthrough (a proxy block announce mode ignores)",
+            base().tls("vc-tls").external({
+                let mut ea = ExternalAccess::proxy(31000)
                     .domain("example.com")
                     .proxy_tls(6380, ProxyTlsMode::Passthrough, None)
-                    .verify_clients(),
-            ),
+                    .verify_clients();
+                ea.mode = ExternalAccessMode::Announce;
+                ea
+            }),
             Some("verifyClients needs mode terminate"),
         ),
         (
@@ -422,6 +436,24 @@ fn transition_rules_agree() {
             "persistence kept",
             base().persistence("1Gi"),
             base().persistence("1Gi").shards(4),
+            None,
+        ),
+        (
+            "tls added",
+            base(),
+            base().tls("vc-tls"),
+            Some("tls cannot be added or removed"),
+        ),
+        (
+            "tls removed",
+            base().tls("vc-tls"),
+            base(),
+            Some("tls cannot be added or removed"),
+        ),
+        (
+            "another tls Secret",
+            base().tls("vc-tls"),
+            base().tls("vc-tls-2"),
             None,
         ),
     ];

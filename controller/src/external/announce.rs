@@ -1,5 +1,6 @@
 //! What a node announces (Valkey 9): its external client port
-//! (`--cluster-announce-client-port`), its hostname (`--cluster-announce-hostname`: its own
+//! (`--cluster-announce-client-port`, or `--cluster-announce-client-tls-port` for nodes on
+//! TLS, whose client port speaks only TLS), its hostname (`--cluster-announce-hostname`: its own
 //! name under `domain`, else an `advertisedHost` that is a DNS name), and an
 //! `advertisedHost` that is an IP (`--cluster-announce-client-ipv4`/`-ipv6`: clients get
 //! it, while gossip and replication stay on the pod IP of `--cluster-announce-ip`).
@@ -13,7 +14,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use kube::ResourceExt;
-use shardgate_admin_client::{Client, Reply, Timeouts};
+use shardgate_admin_client::{Client, Dial, Reply};
 use shardgate_crds::external_access::ExternalAccess;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
@@ -34,12 +35,14 @@ pub fn args(
     };
     let mut args = Vec::new();
     if let Some(port) = exposure.and_then(Exposure::external_port) {
-        // The plain port: the nodes speak plain RESP (`spec.tls` is not acted on yet; a TLS
-        // port announced for a node without one would hand plain clients the pod's port).
-        args.extend([
-            "--cluster-announce-client-port".to_string(),
-            port.to_string(),
-        ]);
+        // One port speaks to clients, TLS or plain: announce it as what it is (Valkey hands
+        // a TLS client the TLS port, and a plain one the plain port).
+        let flag = if vc.spec.tls.is_some() {
+            TLS_PORT_FLAG
+        } else {
+            PORT_FLAG
+        };
+        args.extend([flag.to_string(), port.to_string()]);
     }
     if let Some(hostname) = hostname(vc, ea, node) {
         args.extend(["--cluster-announce-hostname".to_string(), hostname]);
@@ -74,8 +77,13 @@ pub fn hostname(vc: &ValkeyCluster, ea: &ExternalAccess, node: NodeRef) -> Optio
     }
 }
 
+/// The flags of the announced client port, plain and TLS.
+const PORT_FLAG: &str = "--cluster-announce-client-port";
+const TLS_PORT_FLAG: &str = "--cluster-announce-client-tls-port";
+
 /// The client address `args` announce (for [`crate::formation`], which sees nodes at it in
-/// CLUSTER NODES). The TLS port is not shown there: only the plain client port counts.
+/// CLUSTER NODES). A node announces one client port, plain or TLS, and CLUSTER NODES shows
+/// it to a client of its kind: the operator dials nodes on TLS over TLS.
 pub fn announced(args: &[String]) -> Announced {
     let value = |flag: &str| {
         args.windows(2)
@@ -86,7 +94,9 @@ pub fn announced(args: &[String]) -> Announced {
         ip: value("--cluster-announce-client-ipv4")
             .or_else(|| value("--cluster-announce-client-ipv6"))
             .and_then(|v| v.parse().ok()),
-        port: value("--cluster-announce-client-port").and_then(|v| v.parse().ok()),
+        port: value(PORT_FLAG)
+            .or_else(|| value(TLS_PORT_FLAG))
+            .and_then(|v| v.parse().ok()),
     }
 }
 
@@ -101,7 +111,7 @@ pub fn announced(args: &[String]) -> Announced {
 pub async fn set_runtime_ips(
     pods: &Pods,
     hosts: &BTreeMap<NodeRef, String>,
-    timeouts: Timeouts,
+    dial: &Dial,
 ) -> Vec<String> {
     let mut changed = Vec::new();
     for (node, pod) in &pods.nodes {
@@ -114,8 +124,8 @@ pub async fn set_runtime_ips(
         };
         let ip = hosts.get(node).and_then(|h| h.parse::<IpAddr>().ok());
         let result = match ip {
-            Some(ip) => set_announced_ip(addr, ip, timeouts).await,
-            None => clear_announced_ip(addr, timeouts).await,
+            Some(ip) => set_announced_ip(addr, ip, dial).await,
+            None => clear_announced_ip(addr, dial).await,
         };
         match (result, ip) {
             (Ok(true), Some(ip)) => {
@@ -143,12 +153,12 @@ const ANNOUNCED_IP_KEYS: [&str; 2] = [
 async fn set_announced_ip(
     addr: std::net::SocketAddr,
     ip: IpAddr,
-    timeouts: Timeouts,
+    dial: &Dial,
 ) -> Result<bool, shardgate_admin_client::Error> {
     let wanted = ip.to_string();
     let [v4, v6] = ANNOUNCED_IP_KEYS;
     let (key, other) = if ip.is_ipv4() { (v4, v6) } else { (v6, v4) };
-    let mut c = Client::connect(addr, timeouts).await?;
+    let mut c = Client::dial(addr, dial).await?;
     let mut changed = false;
     if config_get(&mut c, key).await? != wanted {
         c.command(["CONFIG", "SET", key, wanted.as_str()]).await?;
@@ -164,9 +174,9 @@ async fn set_announced_ip(
 /// Clears the client IPs the node at `addr` was set to announce. Whether there was one.
 async fn clear_announced_ip(
     addr: std::net::SocketAddr,
-    timeouts: Timeouts,
+    dial: &Dial,
 ) -> Result<bool, shardgate_admin_client::Error> {
-    let mut c = Client::connect(addr, timeouts).await?;
+    let mut c = Client::dial(addr, dial).await?;
     let mut changed = false;
     for key in ANNOUNCED_IP_KEYS {
         if !config_get(&mut c, key).await?.is_empty() {
@@ -224,13 +234,13 @@ mod tests {
             ]
         );
         // A LoadBalancer: its port (the ingress IP comes at run time, without a restart);
-        // with `spec.tls`, still the plain port (the operator does not configure TLS yet).
+        // with `spec.tls`, as the TLS port (the nodes' client port speaks only TLS), which
+        // is where the operator, on TLS, sees the node in CLUSTER NODES.
         let tls = ValkeyCluster::test("vc").tls("certs");
         let lb = exposure(ServiceType::LoadBalancer);
-        assert_eq!(
-            args(&tls, Some(&ExternalAccess::announce()), node, Some(&lb)),
-            ["--cluster-announce-client-port", "6380"]
-        );
+        let flags = args(&tls, Some(&ExternalAccess::announce()), node, Some(&lb));
+        assert_eq!(flags, ["--cluster-announce-client-tls-port", "6380"]);
+        assert_eq!(announced(&flags).port, Some(6380));
         // A host name is not an IP: without a domain, it is the node's hostname.
         ea.advertised_host = Some("valkey.example.com".into());
         ea.domain = None;
@@ -275,24 +285,24 @@ mod tests {
         };
         let mut pods = Pods::default();
         pods.nodes.insert(node, pod);
-        let timeouts = Timeouts::default();
+        let dial = &Dial::default();
         let get = |key: &'static str| async move {
-            let mut c = Client::connect(addr, Timeouts::default()).await.unwrap();
+            let mut c = Client::dial(addr, dial).await.unwrap();
             config_get(&mut c, key).await.unwrap()
         };
         let hosts = |h: &str| BTreeMap::from([(node, h.to_string())]);
         let [v4, v6] = ANNOUNCED_IP_KEYS;
 
-        let changed = set_runtime_ips(&pods, &hosts("203.0.113.7"), timeouts).await;
+        let changed = set_runtime_ips(&pods, &hosts("203.0.113.7"), dial).await;
         assert_eq!(changed, ["node 0-0 announces client address 203.0.113.7"]);
         assert_eq!(get(v4).await, "203.0.113.7");
         // Already so: nothing to do.
-        assert!(set_runtime_ips(&pods, &hosts("203.0.113.7"), timeouts)
+        assert!(set_runtime_ips(&pods, &hosts("203.0.113.7"), dial)
             .await
             .is_empty());
         // Another family: the other key, and the first cleared.
         assert_eq!(
-            set_runtime_ips(&pods, &hosts("2001:db8::7"), timeouts)
+            set_runtime_ips(&pods, &hosts("2001:db8::7"), dial)
                 .await
                 .len(),
             1
@@ -302,22 +312,22 @@ mod tests {
             (String::new(), "2001:db8::7".to_string())
         );
         // A host name: no IP of its own any more.
-        let changed = set_runtime_ips(&pods, &hosts("valkey.example.test"), timeouts).await;
+        let changed = set_runtime_ips(&pods, &hosts("valkey.example.test"), dial).await;
         assert_eq!(changed.len(), 1, "{changed:?}");
         assert_eq!(
             (get(v4).await, get(v6).await),
             (String::new(), String::new())
         );
         // No host known: the same, and nothing left to clear.
-        assert!(set_runtime_ips(&pods, &BTreeMap::new(), timeouts)
+        assert!(set_runtime_ips(&pods, &BTreeMap::new(), dial)
             .await
             .is_empty());
         // An IP on the command line is the pod's own: not touched.
-        set_runtime_ips(&pods, &hosts("203.0.113.7"), timeouts).await;
+        set_runtime_ips(&pods, &hosts("203.0.113.7"), dial).await;
         if let Some(p) = pods.nodes.get_mut(&node) {
             p.announced.ip = Some("203.0.113.7".parse().unwrap());
         }
-        assert!(set_runtime_ips(&pods, &BTreeMap::new(), timeouts)
+        assert!(set_runtime_ips(&pods, &BTreeMap::new(), dial)
             .await
             .is_empty());
         assert_eq!(get(v4).await, "203.0.113.7");

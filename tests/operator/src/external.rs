@@ -501,11 +501,18 @@ pub async fn failovers_under_load(env: &TestEnv, seeds: &[SocketAddr], label: &s
 /// every slot and then their `n` GETs on stdin: every SET answered OK, every GET its value
 /// (the redirects it follows are the cluster's own MOVED replies).
 pub fn redis_cli_set_get(seed: SocketAddr, n: usize) -> Result<()> {
+    redis_cli_set_get_with(seed, n, &[])
+}
+
+/// [`redis_cli_set_get`] with more redis-cli arguments (`--tls --cacert ...`).
+pub fn redis_cli_set_get_with(seed: SocketAddr, n: usize, extra: &[&str]) -> Result<()> {
     let keys = spread_keys(n, "cli");
     let mut script: Vec<String> = keys.iter().map(|k| format!("SET {k} {k}")).collect();
     script.extend(keys.iter().map(|k| format!("GET {k}")));
     let (host, port) = (seed.ip().to_string(), seed.port().to_string());
-    let lines = cli_script(&["-c", "-h", &host, "-p", &port], &script)?;
+    let mut args = vec!["-c", "-h", &host, "-p", &port];
+    args.extend_from_slice(extra);
+    let lines = cli_script(&args, &script)?;
     // Redirect notices, if this redis-cli prints them, are not replies.
     let replies: Vec<&String> = lines
         .iter()

@@ -665,6 +665,8 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
         access("delete", "pods", Some(ns)),
         access("create", "events.events.k8s.io", Some(ns)),
         access("patch", "events.events.k8s.io", Some(ns)),
+        // spec.tls: the cluster's Secret, read by name.
+        access("get", "secrets", Some(ns)),
         // Gateway mode: TCPRoutes made and removed, Gateways read.
         access("list", "tcproutes.gateway.networking.k8s.io", watch_ns),
         access("watch", "tcproutes.gateway.networking.k8s.io", watch_ns),
@@ -685,11 +687,13 @@ fn operator_calls(ns: &str, lease_ns: &str, lease: &str, cluster_wide: bool) -> 
 /// What the operator never does, wherever it runs.
 fn never(ns: &str, lease_ns: &str, lease: &str) -> Vec<Access> {
     vec![
-        // Secrets: spec.tls's Secret is mounted by the pods, never read by the operator.
-        access("get", "secrets", None),
+        // Secrets: spec.tls's is read by name; none is listed or watched, nor written.
         access("list", "secrets", None),
-        access("get", "secrets", Some(ns)),
+        access("watch", "secrets", None),
         access("list", "secrets", Some(ns)),
+        access("watch", "secrets", Some(ns)),
+        access("create", "secrets", Some(ns)),
+        access("patch", "secrets", Some(ns)),
         // The user's Gateways and their listeners are the user's.
         access("patch", "gateways.gateway.networking.k8s.io", Some(ns)),
         access("update", "gateways.gateway.networking.k8s.io", Some(ns)),

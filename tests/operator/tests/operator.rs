@@ -22,8 +22,8 @@ use shardgate_harness::clients::spread_keys;
 use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, cluster, external_cluster, external_services, failovers_under_load,
-    only_external_addresses, redis_cli_set_get, slot_addresses, views, wait_external_ready, writer,
-    FORM,
+    only_external_addresses, redis_cli_set_get, redis_cli_set_get_with, slot_addresses, views,
+    wait_external_ready, writer, FORM,
 };
 use shardgate_operator_e2e::{
     cluster_client, condition, create, eventually, pod_addrs, wait_ready, Operator,
@@ -94,6 +94,10 @@ fn main() -> ExitCode {
         .test(
             "announce_load_balancer_services_announce_their_ingress",
             announce_load_balancer,
+        )
+        .test(
+            "announce_tls_nodes_wait_for_their_secret_then_serve_only_tls_clients_outside",
+            announce_tls,
         )
         .test(
             "announce_hostname_endpoints_per_node_then_one_advertised_name_reach_a_client_that_resolves_them",
@@ -1427,6 +1431,147 @@ async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<
     let status = vc.status.context("status")?;
     ensure!(status.external_endpoints.len() == 2, "{status:?}");
     only_external_addresses(&client, &ns, "vc", &status, 1_000).await?;
+    operator.stop().await;
+    Ok(())
+}
+
+/// `spec.tls` with NodePorts: the cluster waits, with a Warning that says why, until its
+/// Secret exists; then its nodes form over TLS (bus and replication) and speak only TLS to
+/// clients, which are handed the external NodePorts as TLS ports. Real clients outside: redis-cli
+/// with `--tls -c`, following MOVED, and a TLS admin client reading the topology; a plain
+/// client and one without a certificate are refused.
+async fn announce_tls(env: TestEnv) -> Result<()> {
+    use shardgate_admin_client::{Dial, Tls};
+    use shardgate_harness::tls::TestPki;
+
+    let TestEnv { client, ns, cp } = env;
+    let node_ip = cp.agent().node_ip().to_string();
+    let operator = Operator::start(&client, &ns);
+    let external = json!({ "enabled": true, "mode": "announce", "advertisedHost": node_ip });
+    let mut vc = external_cluster("vc", 3, 1, external)?;
+    vc.spec.tls = serde_json::from_value(json!({ "secretName": "vc-tls" }))?;
+    create(&client, &ns, &vc).await?;
+
+    // No Secret yet: a failed reconcile that names it, and nothing made.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+    eventually("a warning naming the missing Secret", FORM, || async {
+        let found = events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("ReconcileFailed")
+                    && e.note.as_deref().is_some_and(|n| {
+                        n.contains("spec.tls: Secret vc-tls not found in namespace")
+                    })
+            });
+        ensure!(found, "no ReconcileFailed event about Secret vc-tls");
+        Ok(())
+    })
+    .await?;
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?;
+    ensure!(
+        sets.items.is_empty(),
+        "made without its Secret: {:?}",
+        sets.items
+    );
+
+    // The nodes' certificate, as cert-manager would issue it (server and client use); it
+    // names neither the pods' nor the node's address.
+    let pki = TestPki::new("vc.test")?;
+    let node_cert = pki.node_cert("node", &["*.vc.test".to_string()])?;
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "metadata": { "name": "vc-tls" },
+        "type": "kubernetes.io/tls",
+        "stringData": {
+            "ca.crt": pki.ca_pem,
+            "tls.crt": node_cert.cert_pem,
+            "tls.key": node_cert.key_pem,
+        },
+    }))?;
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
+        .create(&Default::default(), &secret)
+        .await?;
+    let vc = wait_external_ready(&client, &ns, "vc").await?;
+    let status = vc.status.clone().context("status")?;
+    let seeds = bootstrap_seeds(&vc)?;
+    let external_addrs: std::collections::BTreeSet<String> = status
+        .external_endpoints
+        .iter()
+        .map(|e| e.address())
+        .collect();
+    ensure!(external_addrs.len() == 6, "{external_addrs:?}");
+
+    // An application's client certificate (Valkey asks every client for one by default).
+    let app = pki.client_cert("app", "app")?;
+    let tls = Tls::from_pem(
+        pki.ca_pem.as_bytes(),
+        Some((app.cert_pem.as_bytes(), app.key_pem.as_bytes())),
+    )?;
+    let dial = Dial {
+        timeouts: Timeouts::default(),
+        tls: Some(tls),
+    };
+    // The topology, asked over TLS through a NodePort, names only external addresses, and
+    // as TLS ports (the plain port is off). Ready says every node is in place; the seed's
+    // view may be a gossip round behind.
+    eventually(
+        "the topology seen from outside over TLS",
+        Duration::from_secs(30),
+        || async {
+            let mut admin = Admin::dial(seeds[0], &dial).await?;
+            let lines = admin.cluster_nodes().await?;
+            let named: std::collections::BTreeSet<String> = lines
+                .iter()
+                .map(|l| format!("{}:{}", l.ip, l.port))
+                .collect();
+            ensure!(named == external_addrs, "CLUSTER NODES names {named:?}");
+            for shard in admin.cluster_shards().await? {
+                for n in &shard.nodes {
+                    let a = format!("{}:{}", n.ip, n.tls_port.unwrap_or(0));
+                    ensure!(
+                        external_addrs.contains(&a) && n.port.is_none(),
+                        "CLUSTER SHARDS: {n:?}"
+                    );
+                }
+            }
+            Ok(())
+        },
+    )
+    .await?;
+
+    // redis-cli over TLS through one NodePort: 2,000 SET/GET over every slot, following
+    // the cluster's MOVED replies to the other NodePorts.
+    let seed = seeds[0];
+    let (ca, cert, key) = (
+        pki.ca.display().to_string(),
+        app.cert.display().to_string(),
+        app.key.display().to_string(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let tls = ["--tls", "--cacert", &ca, "--cert", &cert, "--key", &key];
+        redis_cli_set_get_with(seed, 2_000, &tls)
+    })
+    .await??;
+
+    // No plain RESP, and no client without a certificate.
+    let mut plain = Admin::connect(seed, Timeouts::default()).await?;
+    ensure!(plain.ping().await.is_err(), "plain RESP answered at {seed}");
+    let anonymous = Dial {
+        timeouts: Timeouts::default(),
+        tls: Some(Tls::from_pem(pki.ca_pem.as_bytes(), None)?),
+    };
+    let refused = match Admin::dial(seed, &anonymous).await {
+        Ok(mut c) => c.ping().await.is_err(),
+        Err(_) => true,
+    };
+    ensure!(
+        refused,
+        "a client without a certificate was served at {seed}"
+    );
     operator.stop().await;
     Ok(())
 }
