@@ -871,6 +871,35 @@ async fn plain_manifests_apply(env: TestEnv) -> Result<()> {
         Some(env.ns.as_str()),
         "deploy/samples/valkeycluster.yaml",
     )?;
+    // The TLS sample: its ValkeyCluster (cert-manager's kinds are not served here).
+    let tls_sample = read("deploy/samples/valkeycluster-tls.yaml")?;
+    let mut tls_vc = None;
+    for doc in serde_yaml::Deserializer::from_str(&tls_sample) {
+        let v = serde_json::Value::deserialize(doc).context("the TLS sample")?;
+        match v["kind"].as_str() {
+            Some("Issuer" | "Certificate") => {}
+            Some("ValkeyCluster") => {
+                dry_run(
+                    &env.cp,
+                    &serde_yaml::to_string(&v)?,
+                    Some(env.ns.as_str()),
+                    "deploy/samples/valkeycluster-tls.yaml's ValkeyCluster",
+                )?;
+                tls_vc = Some(serde_json::from_value::<ValkeyCluster>(v)?);
+            }
+            other => bail!("the TLS sample has a {other:?}"),
+        }
+    }
+    let tls_vc = tls_vc.context("no ValkeyCluster in the TLS sample")?;
+    tls_vc
+        .spec
+        .validate()
+        .context("the TLS sample's ValkeyCluster")?;
+    ensure!(
+        tls_vc.spec.tls.as_ref().map(|t| t.secret_name.as_str()) == Some("demo-tls"),
+        "the TLS sample's cluster: {:?}",
+        tls_vc.spec.tls
+    );
     // The gateway sample: the user's Gateway and a cluster routed through it.
     let gateway_sample = read("deploy/samples/valkeycluster-gateway.yaml")?;
     dry_run(
