@@ -149,6 +149,19 @@ impl Client {
         self.addr
     }
 
+    /// The certificate the node presented (DER), on a TLS connection.
+    pub fn peer_certificate(&self) -> Option<&[u8]> {
+        match self.framed.get_ref() {
+            Either::Left(_) => None,
+            Either::Right(tls) => tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .map(|leaf| leaf.as_ref()),
+        }
+    }
+
     /// The timeouts this client was made with.
     pub fn timeouts(&self) -> Timeouts {
         self.timeouts

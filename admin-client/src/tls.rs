@@ -39,6 +39,8 @@ pub enum TlsError {
 #[derive(Clone)]
 pub struct Tls {
     connector: TlsConnector,
+    /// The client's own certificate (DER), if it has one.
+    certificate: Option<Arc<[u8]>>,
 }
 
 impl fmt::Debug for Tls {
@@ -77,10 +79,12 @@ impl Tls {
             })?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(ChainOnly(chain)));
+        let mut certificate = None;
         let config = match identity {
             None => builder.with_no_client_auth(),
             Some((cert, key)) => {
                 let chain = certificates("certificate", cert)?;
+                certificate = chain.first().map(|leaf| Arc::from(leaf.as_ref()));
                 let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError::Pem {
                     what: "key",
                     message: e.to_string(),
@@ -95,7 +99,13 @@ impl Tls {
         };
         Ok(Tls {
             connector: TlsConnector::from(Arc::new(config)),
+            certificate,
         })
+    }
+
+    /// The client's own certificate (the leaf, DER), if it has one.
+    pub fn certificate(&self) -> Option<&[u8]> {
+        self.certificate.as_deref()
     }
 
     pub(crate) fn connector(&self) -> &TlsConnector {

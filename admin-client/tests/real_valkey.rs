@@ -285,11 +285,17 @@ async fn tls_checks_the_chain_not_the_name_and_presents_the_client_certificate()
     let tls = Tls::from_pem(pki.ca_pem.as_bytes(), identity).unwrap();
     let mut client = Client::dial(addr, &dial(tls)).await.unwrap();
     client.ping().await.unwrap();
+    assert_eq!(
+        client.peer_certificate(),
+        Some(node.cert_der().unwrap().as_ref()),
+        "the node's certificate, as it presented it"
+    );
     let reply = client.command(["SET", "k", "v"]).await.unwrap();
     assert_eq!(reply, Reply::SimpleString("OK".into()));
 
     // The plain protocol on a TLS port: Valkey drops the connection.
     let mut plain = connect(addr).await;
+    assert_eq!(plain.peer_certificate(), None);
     assert!(
         plain.ping().await.is_err(),
         "plain RESP answered on the TLS port"

@@ -267,6 +267,13 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         })
         .copied()
         .collect();
+    // A Secret renewed in place: the nodes read their files again (no restart).
+    if let Some(tls) = &vc.spec.tls {
+        for what in crate::tls::reload(&pods, &dial, &tls.secret_name).await {
+            info!(cluster = %name, "{what}");
+            publish(ctx, vc, EventType::Normal, "CertificateReloaded", &what).await;
+        }
+    }
     let mut rolled = false;
     if let Progress::Formed(formed) = &progress {
         let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale).await?;

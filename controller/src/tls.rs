@@ -1,15 +1,17 @@
 //! `spec.tls`: nodes that speak only TLS. Where their pods find the Secret, the valkey.conf
-//! lines that put them on TLS, and how the operator itself dials them (with the same Secret).
+//! lines that put them on TLS, how the operator itself dials them (with the same Secret),
+//! and the reload of a Secret renewed in place ([`reload`]).
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
-use shardgate_admin_client::{Dial, Tls};
+use shardgate_admin_client::{Client, Dial, Reply, Tls};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 use crate::configmap::CLIENT_PORT;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::objects::namespace;
+use crate::pods::Pods;
 
 /// The pod volume of the Secret, and where it is mounted.
 pub const VOLUME: &str = "tls";
@@ -32,17 +34,20 @@ pub fn settings() -> [(&'static str, String); 4] {
     ]
 }
 
+/// The settings of the Secret's files, and the files.
+const FILES: [(&str, &str); 3] = [
+    ("tls-cert-file", CERT),
+    ("tls-key-file", KEY),
+    ("tls-ca-cert-file", CA),
+];
+
 /// The Secret's files, on the node's command line (as `--dir`: a path in the file would not
 /// follow a relocated mount).
 pub fn args() -> Vec<String> {
-    [
-        ("--tls-cert-file", CERT),
-        ("--tls-key-file", KEY),
-        ("--tls-ca-cert-file", CA),
-    ]
-    .into_iter()
-    .flat_map(|(flag, file)| [flag.to_string(), format!("{DIR}/{file}")])
-    .collect()
+    FILES
+        .into_iter()
+        .flat_map(|(key, file)| [format!("--{key}"), format!("{DIR}/{file}")])
+        .collect()
 }
 
 /// How the operator dials the cluster's nodes: plain, or over TLS with the CA and the
@@ -70,6 +75,66 @@ pub async fn dial(vc: &ValkeyCluster, ctx: &Context) -> Result<Dial> {
         timeouts,
         tls: Some(tls),
     })
+}
+
+/// Makes nodes that present another certificate than the Secret's read their files again
+/// (`CONFIG SET` of the paths it has: Valkey reloads its TLS settings even when they are
+/// the same), so that a Secret renewed in place (cert-manager) reaches running nodes without
+/// a restart. The operator presents the Secret's certificate too (`dial`), so that is the
+/// one each node should present. A node whose files are not the new ones yet (the kubelet
+/// syncs a Secret within a minute or so) keeps presenting the old certificate and is tried
+/// again on the next look. Returns what changed; a node that does not answer is left to
+/// formation.
+pub async fn reload(pods: &Pods, dial: &Dial, secret: &str) -> Vec<String> {
+    let Some(want) = dial.tls.as_ref().and_then(Tls::certificate) else {
+        return Vec::new();
+    };
+    let mut changed = Vec::new();
+    for (node, pod) in &pods.nodes {
+        let Some(addr) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
+            continue;
+        };
+        let presents = |c: &Client| c.peer_certificate() == Some(want);
+        let result = async {
+            let mut c = Client::dial(addr, dial).await?;
+            if presents(&c) {
+                return Ok(false);
+            }
+            // The paths the node has, set again: the same paths, read afresh.
+            let mut get = vec!["CONFIG", "GET"];
+            get.extend(FILES.map(|(key, _)| key));
+            let mut set = vec![b"CONFIG".to_vec(), b"SET".to_vec()];
+            match c.command(&get).await? {
+                Reply::Array(pairs) => set.extend(pairs.into_iter().filter_map(|r| match r {
+                    Reply::BulkString(b) => Some(b.to_vec()),
+                    _ => None,
+                })),
+                other => {
+                    return Err(shardgate_admin_client::Error::Shape {
+                        addr: Some(addr),
+                        message: format!("CONFIG GET of the TLS files: {other:?}"),
+                    })
+                }
+            }
+            if set.len() != 2 + 2 * FILES.len() {
+                return Err(shardgate_admin_client::Error::Shape {
+                    addr: Some(addr),
+                    message: format!("CONFIG GET of the TLS files: {set:?}"),
+                });
+            }
+            c.command(&set).await?;
+            // The new settings are for new connections.
+            Ok::<_, shardgate_admin_client::Error>(presents(&Client::dial(addr, dial).await?))
+        };
+        match result.await {
+            Ok(true) => changed.push(format!(
+                "node {node} reloaded its certificate from Secret {secret}"
+            )),
+            Ok(false) => {}
+            Err(e) => tracing::debug!(%node, "certificate reload: {e}"),
+        }
+    }
+    changed
 }
 
 /// The TLS settings of a Secret: its CA, and its certificate and key as the client's.
@@ -117,5 +182,67 @@ mod tests {
         let why = from_secret(&secret(&[whole[0], (CERT, "junk"), whole[2]])).unwrap_err();
         assert!(why.starts_with("certificate: "), "{why}");
         assert!(from_secret(&Secret::default()).is_err());
+    }
+
+    /// Against a real node on TLS: while its files hold another certificate than the
+    /// Secret's, a reload changes nothing (and says nothing); once its files are the
+    /// Secret's (as the kubelet writes a renewed Secret), a reload makes it present the new
+    /// certificate to new clients, without a restart; then there is nothing more to do.
+    #[tokio::test]
+    async fn a_node_reloads_its_files_once_they_are_the_secrets() {
+        use crate::pods::NodePod;
+        use shardgate_crds::NodeRef;
+        use shardgate_harness::valkey::Standalone;
+
+        let pki = shardgate_harness::tls::TestPki::new("vc.test").unwrap();
+        let old = pki.node_cert("old", &["vc.test".into()]).unwrap();
+        let renewed = pki.node_cert("renewed", &["vc.test".into()]).unwrap();
+        let server = tokio::task::spawn_blocking({
+            let (cert, key, ca) = (old.cert.clone(), old.key.clone(), pki.ca.clone());
+            move || Standalone::start_tls(&cert, &key, &ca)
+        })
+        .await
+        .unwrap()
+        .expect("a TLS valkey-server (run scripts/setup)");
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], server.port));
+        let node = NodeRef::new(0, 0);
+        let mut pods = Pods::default();
+        pods.nodes.insert(
+            node,
+            NodePod {
+                name: "vc-0-0-0".into(),
+                addr: Some(addr),
+                ready: true,
+                ..NodePod::default()
+            },
+        );
+        // The operator, with the renewed Secret.
+        let identity = (renewed.cert_pem.as_bytes(), renewed.key_pem.as_bytes());
+        let dial = Dial {
+            tls: Some(Tls::from_pem(pki.ca_pem.as_bytes(), Some(identity)).unwrap()),
+            ..Dial::default()
+        };
+        let presented = || async {
+            let c = Client::dial(addr, &dial).await.unwrap();
+            c.peer_certificate().map(<[u8]>::to_vec)
+        };
+        let der = |pair: &shardgate_harness::tls::CertPair| Some(pair.cert_der().unwrap().to_vec());
+
+        assert!(reload(&pods, &dial, "vc-tls").await.is_empty());
+        assert_eq!(
+            presented().await,
+            der(&old),
+            "its files are still the old ones"
+        );
+
+        old.replace_with(&renewed).unwrap();
+        assert_eq!(
+            reload(&pods, &dial, "vc-tls").await,
+            ["node 0-0 reloaded its certificate from Secret vc-tls"]
+        );
+        assert_eq!(presented().await, der(&renewed));
+        assert!(reload(&pods, &dial, "vc-tls").await.is_empty());
+        // A plain cluster has nothing to reload.
+        assert!(reload(&pods, &Dial::default(), "vc-tls").await.is_empty());
     }
 }

@@ -1439,7 +1439,8 @@ async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<
 /// Secret exists; then its nodes form over TLS (bus and replication) and speak only TLS to
 /// clients, which are handed the external NodePorts as TLS ports. Real clients outside: redis-cli
 /// with `--tls -c`, following MOVED, and a TLS admin client reading the topology; a plain
-/// client and one without a certificate are refused.
+/// client and one without a certificate are refused. A Secret renewed in place reaches every
+/// node without a restart.
 async fn announce_tls(env: TestEnv) -> Result<()> {
     use shardgate_admin_client::{Dial, Tls};
     use shardgate_harness::tls::TestPki;
@@ -1572,6 +1573,48 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         refused,
         "a client without a certificate was served at {seed}"
     );
+
+    // The Secret renewed in place (as cert-manager renews it): every node presents the new
+    // certificate within a look or two of the operator, and no pod restarted for it.
+    let uids = |pods: Vec<Pod>| {
+        pods.into_iter()
+            .map(|p| (p.name_any(), p.uid().unwrap_or_default()))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns);
+    let before = uids(pods.list(&ListParams::default()).await?.items);
+    let renewed = pki.node_cert("renewed", &["*.vc.test".to_string()])?;
+    let patch =
+        json!({ "stringData": { "tls.crt": renewed.cert_pem, "tls.key": renewed.key_pem } });
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
+        .patch("vc-tls", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    let want = renewed.cert_der()?.to_vec();
+    eventually(
+        "every node presenting the renewed certificate",
+        Duration::from_secs(120),
+        || async {
+            for ep in &external_addrs {
+                let c = Admin::dial(ep.parse()?, &dial).await?;
+                ensure!(
+                    c.peer_certificate() == Some(want.as_slice()),
+                    "{ep} presents another certificate"
+                );
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    let after = uids(pods.list(&ListParams::default()).await?.items);
+    ensure!(before == after, "pods restarted: {before:?} -> {after:?}");
+    let reloaded = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("CertificateReloaded"))
+        .count();
+    ensure!(reloaded > 0, "no CertificateReloaded event");
     operator.stop().await;
     Ok(())
 }
