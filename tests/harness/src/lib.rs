@@ -20,7 +20,7 @@
 //! - [`http`]: a minimal HTTP GET for the proxy's admin endpoints.
 //! - [`tls`]: test certificates made at run time (a CA, `*.<domain>` leaves, an expired one,
 //!   client certificates, another CA) and a rustls client that dials 127.0.0.1 with any SNI.
-//! - [`stunnel`]: TLS-speaking nodes (stunnel in front of valkey-server, built without TLS).
+//! - [`stunnel`]: TLS-speaking nodes (stunnel in front of a plain valkey-server).
 //! - [`fuzz`]: the seeded RNG and run settings of the time-bounded mutation fuzzers.
 
 pub mod addr;

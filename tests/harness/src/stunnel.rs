@@ -1,6 +1,8 @@
 //! TLS-speaking nodes for the TLS port's passthrough tests: one `stunnel` process (Debian's
 //! stunnel4) that terminates TLS on a loopback port per node and forwards to the node's plain
-//! port (valkey-server here is built without TLS). Killed on drop.
+//! port, so that the cluster's own ports and bus stay plain (the tests were written when the
+//! tests' valkey-server had no TLS; the operator's `spec.tls` tests use Valkey's). Killed on
+//! drop.
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};

@@ -117,8 +117,8 @@ const STUNNEL: Tool = Tool {
     cache_prefix: None,
 };
 
-/// `stunnel` (Debian's stunnel4): the TLS terminator in front of the tests' TLS-speaking
-/// nodes (valkey-server here is built without TLS).
+/// `stunnel` (Debian's stunnel4): the TLS terminator in front of the TLS port tests'
+/// TLS-speaking nodes (a TLS leg that is not Valkey's own, on plain clusters).
 pub fn stunnel() -> Result<PathBuf> {
     find(&STUNNEL)
 }

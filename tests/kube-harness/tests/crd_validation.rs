@@ -318,6 +318,12 @@ async fn invalid_clusters_rejected(env: TestEnv) -> Result<()> {
             vec!["spec.externalAccess.proxy.tls.mode", "needs tls"],
         ),
         (
+            "TLS nodes behind the proxy",
+            json!({ "tls": { "secretName": "s" },
+                "externalAccess": { "mode": "proxy", "proxy": { "basePort": 31000 } } }),
+            vec!["spec.tls", "not supported with externalAccess.mode proxy"],
+        ),
+        (
             "a config key the operator writes",
             json!({ "config": { "maxmemory": "1gb", "cluster-enabled": "no" } }),
             vec![
@@ -379,6 +385,9 @@ async fn immutable_fields(env: TestEnv) -> Result<()> {
     create(&api, "plain", json!({ "replicas": 1 }), false)
         .await?
         .map_err(anyhow::Error::msg)?;
+    create(&api, "tls", json!({ "tls": { "secretName": "a" } }), false)
+        .await?
+        .map_err(anyhow::Error::msg)?;
 
     let update = |name: &'static str, patch: Value| {
         let api = api.clone();
@@ -428,6 +437,24 @@ async fn immutable_fields(env: TestEnv) -> Result<()> {
             "plain",
             json!({ "persistence": { "size": "1Gi" } }),
             Some(vec!["spec.persistence", "cannot be added or removed"]),
+        ),
+        (
+            "tls removed",
+            "tls",
+            json!({ "tls": null }),
+            Some(vec!["spec.tls", "cannot be added or removed"]),
+        ),
+        (
+            "tls added",
+            "plain",
+            json!({ "tls": { "secretName": "a" } }),
+            Some(vec!["spec.tls", "cannot be added or removed"]),
+        ),
+        (
+            "another tls Secret",
+            "tls",
+            json!({ "tls": { "secretName": "b" } }),
+            None,
         ),
         (
             "portsPerShard added with another stride",

@@ -3,6 +3,7 @@
 //! the API and its status), and clients at the pods' addresses.
 
 pub mod external;
+pub mod tls;
 
 use std::collections::BTreeMap;
 use std::future::Future;

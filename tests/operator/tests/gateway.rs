@@ -3,7 +3,7 @@
 //! per listener port on a loopback IP of its own), and clients outside Kubernetes that know
 //! only the Gateway's address.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -17,9 +17,10 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_kube_harness::{TestEnv, TRAEFIK_CONTROLLER_NAME};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, external_cluster, external_services, failovers_under_load, gateway_access,
-    only_external_addresses, port_range, redis_cli_set_get, wait_external_ready, TraefikGateway,
-    FORM,
+    only_external_addresses, port_range, redis_cli_set_get, redis_cli_set_get_with,
+    wait_external_ready, TraefikGateway, FORM,
 };
+use shardgate_operator_e2e::tls::{refuses_plain_and_anonymous, topology_over_tls, ClusterTls};
 use shardgate_operator_e2e::{condition, create, eventually, reconcile_again, Operator};
 
 fn main() -> ExitCode {
@@ -35,6 +36,10 @@ fn main() -> ExitCode {
         .test(
             "gateway_added_and_removed_services_change_type_and_routes_go",
             added_and_removed,
+        )
+        .test(
+            "gateway_carries_tls_nodes_to_tls_clients_that_know_only_the_gateway",
+            tls_through,
         )
         .test(
             "gateway_failover_under_load_and_a_killed_primary_lose_no_acknowledged_write",
@@ -315,6 +320,47 @@ async fn added_and_removed(env: TestEnv) -> Result<()> {
         removed.len() == 1 && both.iter().all(|r| removed[0].contains(r)),
         "TCPRouteRemoved events: {removed:?}"
     );
+    operator.stop().await;
+    Ok(())
+}
+
+/// `spec.tls` through a Gateway: Traefik's TCP routes carry the nodes' TLS untouched (the
+/// Gateway holds no certificate), each node announces its listener port as its TLS port,
+/// and clients outside that know only the Gateway speak TLS to the nodes themselves.
+async fn tls_through(env: TestEnv) -> Result<()> {
+    let base = 32400u16;
+    let ports = port_range(base, 6);
+    let gw = TraefikGateway::start(&env.cp, &env.client, &env.ns, &ports, 6, "l").await?;
+    let TestEnv { client, ns, .. } = &env;
+    let operator = Operator::start(client, ns);
+    let tls = ClusterTls::new()?;
+    tls.create_secret(client, ns, "vc-tls").await?;
+    let mut vc = external_cluster("vc", 3, 1, gateway_access(base, None))?;
+    vc.spec.tls = serde_json::from_value(json!({ "secretName": "vc-tls" }))?;
+    create(client, ns, &vc).await?;
+    let vc = wait_external_ready(client, ns, "vc").await?;
+    let seeds = bootstrap_seeds(&vc)?;
+    ensure!(seeds.iter().all(|a| a.ip() == gw.ip()), "{seeds:?}");
+
+    let allowed: BTreeSet<String> = ports.iter().map(|p| format!("{}:{p}", gw.ip())).collect();
+    let dial = tls.dial()?;
+    eventually(
+        "the topology seen through the Gateway over TLS",
+        Duration::from_secs(30),
+        || topology_over_tls(seeds[0], &dial, &allowed),
+    )
+    .await?;
+    // redis-cli over TLS from one Gateway address: 2,000 SET/GET over every slot, following
+    // MOVED to the Gateway's other listeners.
+    let seed = seeds[0];
+    let cli = tls.redis_cli_args();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = cli.iter().map(String::as_str).collect();
+        redis_cli_set_get_with(seed, 2_000, &args)
+    })
+    .await??;
+    refuses_plain_and_anonymous(seed, &tls.pki).await?;
+    gw.traefik.check_running()?;
     operator.stop().await;
     Ok(())
 }

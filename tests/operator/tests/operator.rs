@@ -25,6 +25,7 @@ use shardgate_operator_e2e::external::{
     only_external_addresses, redis_cli_set_get, redis_cli_set_get_with, slot_addresses, views,
     wait_external_ready, writer, FORM,
 };
+use shardgate_operator_e2e::tls::{refuses_plain_and_anonymous, topology_over_tls, ClusterTls};
 use shardgate_operator_e2e::{
     cluster_client, condition, create, eventually, pod_addrs, wait_ready, Operator,
 };
@@ -1442,9 +1443,6 @@ async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<
 /// client and one without a certificate are refused. A Secret renewed in place reaches every
 /// node without a restart.
 async fn announce_tls(env: TestEnv) -> Result<()> {
-    use shardgate_admin_client::{Dial, Tls};
-    use shardgate_harness::tls::TestPki;
-
     let TestEnv { client, ns, cp } = env;
     let node_ip = cp.agent().node_ip().to_string();
     let operator = Operator::start(&client, &ns);
@@ -1480,22 +1478,8 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         sets.items
     );
 
-    // The nodes' certificate, as cert-manager would issue it (server and client use); it
-    // names neither the pods' nor the node's address.
-    let pki = TestPki::new("vc.test")?;
-    let node_cert = pki.node_cert("node", &["*.vc.test".to_string()])?;
-    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
-        "metadata": { "name": "vc-tls" },
-        "type": "kubernetes.io/tls",
-        "stringData": {
-            "ca.crt": pki.ca_pem,
-            "tls.crt": node_cert.cert_pem,
-            "tls.key": node_cert.key_pem,
-        },
-    }))?;
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
-        .create(&Default::default(), &secret)
-        .await?;
+    let tls = ClusterTls::new()?;
+    tls.create_secret(&client, &ns, "vc-tls").await?;
     let vc = wait_external_ready(&client, &ns, "vc").await?;
     let status = vc.status.clone().context("status")?;
     let seeds = bootstrap_seeds(&vc)?;
@@ -1506,73 +1490,26 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         .collect();
     ensure!(external_addrs.len() == 6, "{external_addrs:?}");
 
-    // An application's client certificate (Valkey asks every client for one by default).
-    let app = pki.client_cert("app", "app")?;
-    let tls = Tls::from_pem(
-        pki.ca_pem.as_bytes(),
-        Some((app.cert_pem.as_bytes(), app.key_pem.as_bytes())),
-    )?;
-    let dial = Dial {
-        timeouts: Timeouts::default(),
-        tls: Some(tls),
-    };
-    // The topology, asked over TLS through a NodePort, names only external addresses, and
-    // as TLS ports (the plain port is off). Ready says every node is in place; the seed's
-    // view may be a gossip round behind.
+    // The topology, asked over TLS through a NodePort, names only external addresses, as
+    // TLS ports. Ready says every node is in place; the seed's view may be a gossip round
+    // behind.
+    let dial = tls.dial()?;
     eventually(
         "the topology seen from outside over TLS",
         Duration::from_secs(30),
-        || async {
-            let mut admin = Admin::dial(seeds[0], &dial).await?;
-            let lines = admin.cluster_nodes().await?;
-            let named: std::collections::BTreeSet<String> = lines
-                .iter()
-                .map(|l| format!("{}:{}", l.ip, l.port))
-                .collect();
-            ensure!(named == external_addrs, "CLUSTER NODES names {named:?}");
-            for shard in admin.cluster_shards().await? {
-                for n in &shard.nodes {
-                    let a = format!("{}:{}", n.ip, n.tls_port.unwrap_or(0));
-                    ensure!(
-                        external_addrs.contains(&a) && n.port.is_none(),
-                        "CLUSTER SHARDS: {n:?}"
-                    );
-                }
-            }
-            Ok(())
-        },
+        || topology_over_tls(seeds[0], &dial, &external_addrs),
     )
     .await?;
-
     // redis-cli over TLS through one NodePort: 2,000 SET/GET over every slot, following
     // the cluster's MOVED replies to the other NodePorts.
     let seed = seeds[0];
-    let (ca, cert, key) = (
-        pki.ca.display().to_string(),
-        app.cert.display().to_string(),
-        app.key.display().to_string(),
-    );
+    let cli = tls.redis_cli_args();
     tokio::task::spawn_blocking(move || {
-        let tls = ["--tls", "--cacert", &ca, "--cert", &cert, "--key", &key];
-        redis_cli_set_get_with(seed, 2_000, &tls)
+        let args: Vec<&str> = cli.iter().map(String::as_str).collect();
+        redis_cli_set_get_with(seed, 2_000, &args)
     })
     .await??;
-
-    // No plain RESP, and no client without a certificate.
-    let mut plain = Admin::connect(seed, Timeouts::default()).await?;
-    ensure!(plain.ping().await.is_err(), "plain RESP answered at {seed}");
-    let anonymous = Dial {
-        timeouts: Timeouts::default(),
-        tls: Some(Tls::from_pem(pki.ca_pem.as_bytes(), None)?),
-    };
-    let refused = match Admin::dial(seed, &anonymous).await {
-        Ok(mut c) => c.ping().await.is_err(),
-        Err(_) => true,
-    };
-    ensure!(
-        refused,
-        "a client without a certificate was served at {seed}"
-    );
+    refuses_plain_and_anonymous(seed, &tls.pki).await?;
 
     // The Secret renewed in place (as cert-manager renews it): every node presents the new
     // certificate within a look or two of the operator, and no pod restarted for it.
@@ -1583,12 +1520,8 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
     };
     let pods = Api::<Pod>::namespaced(client.clone(), &ns);
     let before = uids(pods.list(&ListParams::default()).await?.items);
-    let renewed = pki.node_cert("renewed", &["*.vc.test".to_string()])?;
-    let patch =
-        json!({ "stringData": { "tls.crt": renewed.cert_pem, "tls.key": renewed.key_pem } });
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
-        .patch("vc-tls", &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
+    let renewed = tls.pki.node_cert("renewed", &["*.vc.test".to_string()])?;
+    tls.renew_secret(&client, &ns, "vc-tls", &renewed).await?;
     let want = renewed.cert_der()?.to_vec();
     eventually(
         "every node presenting the renewed certificate",
