@@ -22,7 +22,7 @@ type Stream = Either<TcpStream, TlsStream<TcpStream>>;
 /// How long the client waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
-    /// For the TCP connection to be made.
+    /// For the connection to be made (TCP, and the TLS handshake on TLS).
     pub connect: Duration,
     /// For one command: writing it and reading its whole reply.
     pub reply: Duration,

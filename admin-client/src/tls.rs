@@ -11,13 +11,14 @@ use std::fmt;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::client::WebPkiServerVerifier;
-use rustls::crypto::ring;
+use rustls::client::verify_server_cert_signed_by_trust_anchor;
+use rustls::crypto::{
+    ring, verify_tls12_signature, verify_tls13_signature, WebPkiSupportedAlgorithms,
+};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{
-    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
-};
+use rustls::server::ParsedCertificate;
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_rustls::TlsConnector;
 
 /// Why TLS settings could not be made from the given PEM.
@@ -58,19 +59,8 @@ impl Tls {
     /// [`TlsError`] if `ca` holds no certificate, `identity` no certificate or no key, or
     /// rustls refuses one of them.
     pub fn from_pem(ca: &[u8], identity: Option<(&[u8], &[u8])>) -> Result<Tls, TlsError> {
-        let mut roots = RootCertStore::empty();
-        for cert in certificates("ca", ca)? {
-            roots
-                .add(cert)
-                .map_err(|source| TlsError::Rustls { what: "ca", source })?;
-        }
         let provider = Arc::new(ring::default_provider());
-        let chain = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-            .build()
-            .map_err(|e| TlsError::Pem {
-                what: "ca",
-                message: e.to_string(),
-            })?;
+        let verifier = ChainOnly::new(ca, provider.signature_verification_algorithms)?;
         let builder = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|source| TlsError::Rustls {
@@ -78,7 +68,7 @@ impl Tls {
                 source,
             })?
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(ChainOnly(chain)));
+            .with_custom_certificate_verifier(Arc::new(verifier));
         let mut certificate = None;
         let config = match identity {
             None => builder.with_no_client_auth(),
@@ -130,29 +120,48 @@ fn certificates(what: &'static str, pem: &[u8]) -> Result<Vec<CertificateDer<'st
     Ok(certs)
 }
 
-/// webpki's verification, but for the name: a chain to the CA, valid now, for a server.
+/// webpki's verification of a server's certificate, but for the name: a chain to one of
+/// `roots`, valid now, for server authentication.
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct ChainOnly {
+    roots: Arc<RootCertStore>,
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ChainOnly {
+    /// Trusting the certificates of the PEM bundle `ca`.
+    fn new(ca: &[u8], algorithms: WebPkiSupportedAlgorithms) -> Result<ChainOnly, TlsError> {
+        let mut roots = RootCertStore::empty();
+        for cert in certificates("ca", ca)? {
+            roots
+                .add(cert)
+                .map_err(|source| TlsError::Rustls { what: "ca", source })?;
+        }
+        Ok(ChainOnly {
+            roots: Arc::new(roots),
+            algorithms,
+        })
+    }
+}
 
 impl ServerCertVerifier for ChainOnly {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
         intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp_response: &[u8],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
-            // webpki checks the name last: a name error means everything else held.
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            other => other,
-        }
+        let cert = ParsedCertificate::try_from(end_entity)?;
+        verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &self.roots,
+            intermediates,
+            now,
+            self.algorithms.all,
+        )?;
+        Ok(ServerCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -161,7 +170,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -170,10 +179,62 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::{CertificateError, Error};
+    use shardgate_harness::tls::{CertPair, TestPki};
+
+    /// A certificate that chains to the CA and is for servers passes whatever it names;
+    /// one expired, one for clients only, or one of another CA does not.
+    #[test]
+    fn the_chain_counts_and_the_name_does_not() {
+        let pki = TestPki::new("vc.test").unwrap();
+        let algorithms = ring::default_provider().signature_verification_algorithms;
+        let verifier = ChainOnly::new(pki.ca_pem.as_bytes(), algorithms).unwrap();
+        let dialled = ServerName::IpAddress(std::net::Ipv4Addr::new(127, 0, 0, 1).into());
+        let check = |pair: &CertPair| {
+            let der = pair.cert_der().unwrap();
+            verifier.verify_server_cert(&der, &[], &dialled, &[], UnixTime::now())
+        };
+        let node = pki.node_cert("node", &["other.example".into()]).unwrap();
+        assert!(check(&node).is_ok());
+        let server = pki
+            .server_cert("server", &["vc.test".into()], false)
+            .unwrap();
+        assert!(check(&server).is_ok());
+        let expired = pki
+            .server_cert("expired", &["vc.test".into()], true)
+            .unwrap();
+        assert!(
+            matches!(
+                check(&expired),
+                Err(Error::InvalidCertificate(
+                    CertificateError::Expired | CertificateError::ExpiredContext { .. }
+                ))
+            ),
+            "{:?}",
+            check(&expired)
+        );
+        let client_only = pki.client_cert("app", "app").unwrap();
+        assert!(check(&client_only).is_err(), "a client certificate served");
+        let other = TestPki::new("other.test").unwrap();
+        let stranger = other.node_cert("node", &["vc.test".into()]).unwrap();
+        assert!(
+            matches!(
+                check(&stranger),
+                Err(Error::InvalidCertificate(CertificateError::UnknownIssuer))
+            ),
+            "{:?}",
+            check(&stranger)
+        );
     }
 }

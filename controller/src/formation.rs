@@ -61,7 +61,8 @@ pub struct Plan {
     /// Every desired node with its pod's address, if it has one and is ready.
     pub nodes: BTreeMap<NodeRef, Option<SocketAddr>>,
     /// What a node announces to clients instead of its pod's address, if anything (announce
-    /// mode: `cluster-announce-client-ipv4` and `-client-port`). CLUSTER NODES shows that
+    /// mode: `cluster-announce-client-ipv4` and `-client-port`, or `-client-tls-port` on TLS,
+    /// which the operator dials over TLS and so is shown). CLUSTER NODES shows that
     /// address, so that is where the others must know it.
     pub announced: BTreeMap<NodeRef, Announced>,
     /// The pods of nodes on their way out while their shard's slots move away (scale-in):

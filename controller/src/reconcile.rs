@@ -53,11 +53,17 @@ pub async fn reconcile(vc: Arc<ValkeyCluster>, ctx: Arc<Context>) -> Result<Acti
                 &e.to_string(),
             )
             .await;
-            // A spec that cannot be acted on reads so in status, not as the last state seen.
-            if let Error::Invalid(why) = &e {
-                if let Err(write) = status::invalid(&vc, &ctx, why).await {
-                    warn!(cluster = %vc.name_any(), "cannot write the invalid spec's status: {write}");
+            // A spec that cannot be acted on, or a TLS Secret that cannot be read, reads so
+            // in status, not as the last state seen.
+            let written = match &e {
+                Error::Invalid(why) => Some(status::invalid(&vc, &ctx, why).await),
+                Error::TlsSecret { .. } => {
+                    Some(status::tls_secret_unavailable(&vc, &ctx, &e.to_string()).await)
                 }
+                _ => None,
+            };
+            if let Some(Err(write)) = written {
+                warn!(cluster = %vc.name_any(), "cannot write the status of {e}: {write}");
             }
             Err(e)
         }
@@ -76,6 +82,24 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
              would pass Kubernetes' 63)"
         )));
     }
+    // A cluster made by an operator version that did not act on spec.tls runs plain RESP,
+    // and TLS cannot be turned on in place: it stays plain, and is told so once.
+    let on_plain;
+    let vc = if vc.spec.tls.is_some() && crate::tls::nodes_on_plain(vc, ctx).await? {
+        if ctx.first_warning(vc, "TLSNotApplied") {
+            let note = "spec.tls was set before this operator version acted on it: the nodes \
+                        run plain RESP and stay on it (a node on TLS and one on plain RESP \
+                        cannot talk on the cluster bus, so TLS cannot be turned on one pod at \
+                        a time); for TLS, make a new cluster";
+            publish(ctx, vc, EventType::Warning, "TLSNotApplied", note).await;
+        }
+        let mut plain = vc.clone();
+        plain.spec.tls = None;
+        on_plain = plain;
+        &on_plain
+    } else {
+        vc
+    };
     vc.spec
         .validate()
         .map_err(|e| Error::Invalid(e.to_string()))?;
@@ -269,7 +293,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .collect();
     // A Secret renewed in place: the nodes read their files again (no restart).
     if let Some(tls) = &vc.spec.tls {
-        for what in crate::tls::reload(&pods, &dial, &tls.secret_name).await {
+        for what in crate::tls::reload(&pods, &stale, &dial, &tls.secret_name).await {
             info!(cluster = %name, "{what}");
             publish(ctx, vc, EventType::Normal, "CertificateReloaded", &what).await;
         }

@@ -28,8 +28,9 @@ const DATA_DIR: &str = "/data";
 /// on without a restart, so that a change of any of it rolls the pods ([`crate::rolling`];
 /// the StatefulSets use `OnDelete`). That is the config (`config_hash`), the node's own
 /// flags (`args`: announce mode), the TLS Secret, the image and the resources. A part at
-/// its default (no flags, no TLS, the default image, no resources) adds nothing, so that a cluster without it keeps
-/// the hash it had before the part was added: an operator upgrade does not roll it.
+/// its default (no flags, no TLS, the default image, no resources) adds nothing, so that a
+/// cluster without it keeps the hash it had before the part was added: an operator upgrade
+/// does not roll it.
 pub fn pod_hash(vc: &ValkeyCluster, config_hash: &str, args: &[String]) -> Result<String> {
     let mut parts = args.to_vec();
     // Valkey reads its certificate at start: a pod on another Secret is a new pod.
@@ -114,11 +115,7 @@ pub fn build_node(
             { "name": client_port_name, "containerPort": CLIENT_PORT, "protocol": "TCP" },
             { "name": "bus", "containerPort": BUS_PORT, "protocol": "TCP" },
         ],
-        "readinessProbe": {
-            "tcpSocket": { "port": CLIENT_PORT },
-            "periodSeconds": 2,
-            "failureThreshold": 3,
-        },
+        "readinessProbe": readiness(vc),
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": false,
@@ -181,6 +178,30 @@ pub fn build_node(
         sts["spec"]["volumeClaimTemplates"] = Value::Array(claims);
     }
     build("StatefulSet", sts)
+}
+
+/// A node is ready once it accepts connections on its client port. On TLS, a connection
+/// that never makes its handshake is a warning in Valkey's log, so that probe pings over
+/// TLS (an error reply, NOAUTH say, still means it answers: valkey-cli exits 0).
+fn readiness(vc: &ValkeyCluster) -> Value {
+    let mut probe = json!({ "periodSeconds": 2, "failureThreshold": 3 });
+    if vc.spec.tls.is_some() {
+        let mut command = vec!["valkey-cli".to_string(), "--tls".to_string()];
+        for (flag, file) in [
+            ("--cacert", tls::CA),
+            ("--cert", tls::CERT),
+            ("--key", tls::KEY),
+        ] {
+            command.extend([flag.to_string(), format!("{}/{file}", tls::DIR)]);
+        }
+        command.extend(["-p".into(), CLIENT_PORT.to_string(), "ping".into()]);
+        probe["exec"] = json!({ "command": command });
+        // valkey-cli starts and makes a handshake: more than a TCP connect.
+        probe["timeoutSeconds"] = json!(2);
+    } else {
+        probe["tcpSocket"] = json!({ "port": CLIENT_PORT });
+    }
+    probe
 }
 
 /// Applies the StatefulSet of `node`.
@@ -267,8 +288,16 @@ mod tests {
             mounts.contains(&json!({ "name": "tls", "mountPath": "/tls", "readOnly": true })),
             "{mounts:?}"
         );
+        // Its readiness is a ping over TLS (a bare TCP connect is a warning in Valkey's log).
+        let probe = &pod["containers"][0]["readinessProbe"];
+        assert_eq!(
+            probe["exec"]["command"].to_string(),
+            r#"["valkey-cli","--tls","--cacert","/tls/ca.crt","--cert","/tls/tls.crt","--key","/tls/tls.key","-p","6379","ping"]"#
+        );
         let plain = json(&ValkeyCluster::test("vc"));
         let text = plain.to_string();
         assert!(!text.contains("\"tls\""), "{text}");
+        let probe = &plain["spec"]["template"]["spec"]["containers"][0]["readinessProbe"];
+        assert_eq!(probe["tcpSocket"]["port"], 6379, "{probe}");
     }
 }

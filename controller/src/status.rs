@@ -381,6 +381,28 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
 /// reason `InvalidSpec` and why, for the spec's generation. The other conditions and
 /// fields stay as they were (a merge patch), since nothing was looked at.
 pub async fn invalid(vc: &ValkeyCluster, ctx: &Context, why: &str) -> Result<()> {
+    cannot_act(vc, ctx, "Failed", "InvalidSpec", why).await
+}
+
+/// `spec.tls`'s Secret cannot be read (missing, or without its keys): the operator cannot
+/// talk to the nodes. Ready false with reason `TLSSecretUnavailable`; phase Pending for a
+/// cluster never formed, Degraded for one that was (its nodes may serve on, unwatched).
+pub async fn tls_secret_unavailable(vc: &ValkeyCluster, ctx: &Context, why: &str) -> Result<()> {
+    let formed = vc.status.as_ref().is_some_and(|s| s.formed.is_some());
+    let phase = if formed { "Degraded" } else { "Pending" };
+    cannot_act(vc, ctx, phase, "TLSSecretUnavailable", why).await
+}
+
+/// Status when the reconcile stopped before looking at the cluster: `phase`, and Ready
+/// false with `reason` and why, for the spec's generation. The other conditions and fields
+/// stay as they were (a merge patch), since nothing was looked at.
+async fn cannot_act(
+    vc: &ValkeyCluster,
+    ctx: &Context,
+    phase: &str,
+    reason: &str,
+    why: &str,
+) -> Result<()> {
     let now = Time(Timestamp::now());
     let mut conditions: Vec<Condition> = vc
         .status
@@ -390,7 +412,7 @@ pub async fn invalid(vc: &ValkeyCluster, ctx: &Context, why: &str) -> Result<()>
     let ready = Condition {
         type_: "Ready".into(),
         status: "False".into(),
-        reason: "InvalidSpec".into(),
+        reason: reason.into(),
         message: why.into(),
         observed_generation: vc.metadata.generation,
         last_transition_time: condition(vc, "Ready")
@@ -404,7 +426,7 @@ pub async fn invalid(vc: &ValkeyCluster, ctx: &Context, why: &str) -> Result<()>
     let status = json!({
         "status": {
             "observedGeneration": vc.metadata.generation,
-            "phase": "Failed",
+            "phase": phase,
             "conditions": conditions,
         },
     });

@@ -2,16 +2,19 @@
 //! lines that put them on TLS, how the operator itself dials them (with the same Secret),
 //! and the reload of a Secret renewed in place ([`reload`]).
 
-use k8s_openapi::api::core::v1::Secret;
-use kube::api::Api;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, ListParams};
+use kube::ResourceExt;
 use shardgate_admin_client::{Client, Dial, Reply, Tls};
+use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 use crate::configmap::CLIENT_PORT;
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::objects::namespace;
+use crate::objects::{cluster_selector, namespace};
 use crate::pods::Pods;
+use shardgate_crds::NodeRef;
 
 /// The pod volume of the Secret, and where it is mounted.
 pub const VOLUME: &str = "tls";
@@ -77,6 +80,30 @@ pub async fn dial(vc: &ValkeyCluster, ctx: &Context) -> Result<Dial> {
     })
 }
 
+/// Whether `vc` (with `spec.tls`) has node pods without the Secret: pods made by an
+/// operator version that accepted `spec.tls` without acting on it, on plain RESP.
+pub async fn nodes_on_plain(vc: &ValkeyCluster, ctx: &Context) -> Result<bool> {
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &namespace(vc)?)
+        .list(&ListParams::default().labels(&cluster_selector(vc)))
+        .await?;
+    Ok(on_plain(&pods.items))
+}
+
+/// Whether any node pod of `pods` (one with a shard index) lacks the Secret's volume.
+fn on_plain(pods: &[Pod]) -> bool {
+    let has_secret = |p: &Pod| {
+        p.spec.as_ref().is_some_and(|s| {
+            s.volumes
+                .iter()
+                .flatten()
+                .any(|v| v.name == VOLUME && v.secret.is_some())
+        })
+    };
+    pods.iter()
+        .filter(|p| p.labels().contains_key(labels::SHARD_INDEX))
+        .any(|p| !has_secret(p))
+}
+
 /// Makes nodes that present another certificate than the Secret's read their files again
 /// (`CONFIG SET` of the paths it has: Valkey reloads its TLS settings even when they are
 /// the same), so that a Secret renewed in place (cert-manager) reaches running nodes without
@@ -85,12 +112,13 @@ pub async fn dial(vc: &ValkeyCluster, ctx: &Context) -> Result<Dial> {
 /// syncs a Secret within a minute or so) keeps presenting the old certificate and is tried
 /// again on the next look. Returns what changed; a node that does not answer is left to
 /// formation.
-pub async fn reload(pods: &Pods, dial: &Dial, secret: &str) -> Vec<String> {
+/// Pods about to be replaced (`stale`: a new Secret's roll) are left to the roll.
+pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -> Vec<String> {
     let Some(want) = dial.tls.as_ref().and_then(Tls::certificate) else {
         return Vec::new();
     };
     let mut changed = Vec::new();
-    for (node, pod) in &pods.nodes {
+    for (node, pod) in pods.nodes.iter().filter(|(n, _)| !stale.contains(n)) {
         let Some(addr) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
             continue;
         };
@@ -153,6 +181,32 @@ fn from_secret(secret: &Secret) -> Result<Tls, String> {
 mod tests {
     use super::*;
     use k8s_openapi::ByteString;
+
+    /// Node pods without the Secret's volume are on plain RESP; the proxy's pods (no shard
+    /// index) do not count.
+    #[test]
+    fn pods_without_the_secret_are_on_plain() {
+        let pod = |shard: Option<&str>, secret: bool| -> Pod {
+            let mut labels = serde_json::Map::new();
+            if let Some(s) = shard {
+                labels.insert(labels::SHARD_INDEX.into(), s.into());
+            }
+            let volumes = if secret {
+                serde_json::json!([{ "name": VOLUME, "secret": { "secretName": "s" } }])
+            } else {
+                serde_json::json!([{ "name": "data", "emptyDir": {} }])
+            };
+            serde_json::from_value(serde_json::json!({
+                "metadata": { "name": "p", "labels": labels },
+                "spec": { "containers": [], "volumes": volumes },
+            }))
+            .unwrap()
+        };
+        assert!(!on_plain(&[]));
+        assert!(!on_plain(&[pod(Some("0"), true), pod(Some("1"), true)]));
+        assert!(!on_plain(&[pod(Some("0"), true), pod(None, false)]));
+        assert!(on_plain(&[pod(Some("0"), true), pod(Some("1"), false)]));
+    }
 
     /// A Secret without one of its keys, or with one that is not PEM, is refused with the
     /// key's name; a whole one makes TLS settings.
@@ -228,7 +282,7 @@ mod tests {
         };
         let der = |pair: &shardgate_harness::tls::CertPair| Some(pair.cert_der().unwrap().to_vec());
 
-        assert!(reload(&pods, &dial, "vc-tls").await.is_empty());
+        assert!(reload(&pods, &[], &dial, "vc-tls").await.is_empty());
         assert_eq!(
             presented().await,
             der(&old),
@@ -237,12 +291,16 @@ mod tests {
 
         old.replace_with(&renewed).unwrap();
         assert_eq!(
-            reload(&pods, &dial, "vc-tls").await,
+            reload(&pods, &[], &dial, "vc-tls").await,
             ["node 0-0 reloaded its certificate from Secret vc-tls"]
         );
         assert_eq!(presented().await, der(&renewed));
-        assert!(reload(&pods, &dial, "vc-tls").await.is_empty());
+        assert!(reload(&pods, &[], &dial, "vc-tls").await.is_empty());
+        // A pod the roll replaces next is left to it.
+        assert!(reload(&pods, &[node], &dial, "vc-tls").await.is_empty());
         // A plain cluster has nothing to reload.
-        assert!(reload(&pods, &Dial::default(), "vc-tls").await.is_empty());
+        assert!(reload(&pods, &[], &Dial::default(), "vc-tls")
+            .await
+            .is_empty());
     }
 }

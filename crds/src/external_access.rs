@@ -113,8 +113,8 @@ impl NodeAddressType {
 
 string_enum! {
     /// What the proxy does with TLS on its SNI port. `passthrough`: the stream goes to the
-    /// node untouched (the nodes must speak TLS: `spec.tls` is required, and this operator
-    /// version does not configure it yet). `terminate`: the proxy terminates TLS with
+    /// node untouched (the nodes must speak TLS: `spec.tls` is required, which proxy mode
+    /// does not take yet, so it cannot be used for now). `terminate`: the proxy terminates TLS with
     /// `secretName`'s certificate and talks to the node in plain.
     pub enum ProxyTlsMode { Passthrough = "passthrough", Terminate = "terminate" }
     default = Terminate

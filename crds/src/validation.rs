@@ -54,6 +54,13 @@ pub const RESERVED_CONFIG_KEYS: &[&str] = &[
     "tls-cert-file",
     "tls-key-file",
     "tls-ca-cert-file",
+    // The files of `spec.tls`'s Secret are the only ones a node has: other files would
+    // crash-loop the pod, and the operator reads no encrypted key.
+    "tls-ca-cert-dir",
+    "tls-client-cert-file",
+    "tls-client-key-file",
+    "tls-key-file-pass",
+    "tls-client-key-file-pass",
 ];
 
 /// The fields whose change the API server refuses, and why (the CEL messages, and the text of

@@ -1466,6 +1466,19 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
                     })
             });
         ensure!(found, "no ReconcileFailed event about Secret vc-tls");
+        // And status says so, for `kubectl get` and `kubectl wait`.
+        let vc = Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
+            .get("vc")
+            .await?;
+        let phase = vc.status.as_ref().and_then(|s| s.phase);
+        let ready = condition(&vc, "Ready");
+        ensure!(
+            phase.map(|p| p.as_str()) == Some("Pending")
+                && ready.as_ref().is_some_and(|(s, r, m)| s == "False"
+                    && r == "TLSSecretUnavailable"
+                    && m.contains("Secret vc-tls not found")),
+            "phase {phase:?}, Ready {ready:?}"
+        );
         Ok(())
     })
     .await?;

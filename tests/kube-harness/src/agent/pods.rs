@@ -877,7 +877,12 @@ fn resolve_port(c: &Container, port: &IntOrString) -> Option<u16> {
 async fn probe(c: &LocalContainer, ip: Ipv4Addr) -> bool {
     const TIMEOUT: Duration = Duration::from_secs(1);
     match &c.spec.readiness_probe {
-        Some(p) => run_probe(c, p, ip, TIMEOUT).await,
+        // The probe's own timeout, as the kubelet takes it (1 s by default).
+        Some(p) => {
+            let secs = p.timeout_seconds.and_then(|s| u64::try_from(s).ok());
+            let timeout = secs.filter(|&s| s > 0).map_or(TIMEOUT, Duration::from_secs);
+            run_probe(c, p, ip, timeout).await
+        }
         None if c.kind == ImageKind::Valkey => {
             let port = c
                 .spec
@@ -931,7 +936,15 @@ async fn run_probe(c: &LocalContainer, p: &Probe, ip: Ipv4Addr, timeout: Duratio
         } else {
             tokio::process::Command::new(first)
         };
-        cmd.args(rest)
+        // The container's paths (a mounted Secret's files, say) are under its root here.
+        let mounts: Vec<String> = c
+            .spec
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| m.mount_path.trim_end_matches('/').to_string())
+            .collect();
+        cmd.args(rest.iter().map(|a| rewrite_paths(a, &mounts, &c.root)))
             .current_dir(&c.root)
             .envs(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(std::process::Stdio::null())
