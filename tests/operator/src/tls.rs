@@ -30,13 +30,24 @@ impl ClusterTls {
 
     /// The Secret `spec.tls` names: `ca.crt`, `tls.crt`, `tls.key`.
     pub async fn create_secret(&self, client: &Client, ns: &str, name: &str) -> Result<()> {
+        self.create_secret_with(client, ns, name, &self.node).await
+    }
+
+    /// A Secret of the same CA with the nodes' certificate `node`.
+    pub async fn create_secret_with(
+        &self,
+        client: &Client,
+        ns: &str,
+        name: &str,
+        node: &CertPair,
+    ) -> Result<()> {
         let secret: Secret = serde_json::from_value(json!({
             "metadata": { "name": name },
             "type": "kubernetes.io/tls",
             "stringData": {
                 "ca.crt": self.pki.ca_pem,
-                "tls.crt": self.node.cert_pem,
-                "tls.key": self.node.key_pem,
+                "tls.crt": node.cert_pem,
+                "tls.key": node.key_pem,
             },
         }))?;
         Api::<Secret>::namespaced(client.clone(), ns)

@@ -1441,7 +1441,7 @@ async fn announce_per_node_services_at_the_node_address(env: TestEnv) -> Result<
 /// clients, which are handed the external NodePorts as TLS ports. Real clients outside: redis-cli
 /// with `--tls -c`, following MOVED, and a TLS admin client reading the topology; a plain
 /// client and one without a certificate are refused. A Secret renewed in place reaches every
-/// node without a restart.
+/// node without a restart; another Secret rolls every pod onto it, losing no key.
 async fn announce_tls(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, cp } = env;
     let node_ip = cp.agent().node_ip().to_string();
@@ -1561,6 +1561,63 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         .filter(|e| e.reason.as_deref() == Some("CertificateReloaded"))
         .count();
     ensure!(reloaded > 0, "no CertificateReloaded event");
+
+    // Another Secret (same CA): every pod restarts onto it, one at a time with a failover
+    // before each primary (all over TLS), and the keys written before are all there.
+    let second = tls.pki.node_cert("second", &["*.vc.test".to_string()])?;
+    tls.create_secret_with(&client, &ns, "vc-tls-2", &second)
+        .await?;
+    let patch = json!({ "spec": { "tls": { "secretName": "vc-tls-2" } } });
+    Api::<ValkeyCluster>::namespaced(client.clone(), &ns)
+        .patch("vc", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    eventually("every pod replaced", Duration::from_secs(400), || async {
+        let now = uids(pods.list(&ListParams::default()).await?.items);
+        let kept: Vec<_> = now
+            .iter()
+            .filter(|(n, u)| after.get(*n) == Some(u))
+            .collect();
+        ensure!(
+            now.len() == 6 && kept.is_empty(),
+            "not replaced yet: {kept:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    wait_external_ready(&client, &ns, "vc").await?;
+    let want = second.cert_der()?.to_vec();
+    for ep in &external_addrs {
+        let c = Admin::dial(ep.parse()?, &dial).await?;
+        ensure!(
+            c.peer_certificate() == Some(want.as_slice()),
+            "{ep} presents another certificate than vc-tls-2's"
+        );
+    }
+    let cli = tls.redis_cli_args();
+    tokio::task::spawn_blocking(move || {
+        let keys = spread_keys(2_000, "cli");
+        let gets: Vec<String> = keys.iter().map(|k| format!("GET {k}")).collect();
+        let mut args = vec!["-c".to_string(), "-h".into(), seed.ip().to_string()];
+        args.extend(["-p".to_string(), seed.port().to_string()]);
+        args.extend(cli);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let lines = shardgate_harness::clients::cli_script(&args, &gets)?;
+        let values: Vec<&String> = lines
+            .iter()
+            .filter(|l| !l.starts_with("-> Redirected"))
+            .collect();
+        ensure!(
+            values.len() == keys.len(),
+            "{} replies to {} GETs",
+            values.len(),
+            keys.len()
+        );
+        for (k, v) in keys.iter().zip(values) {
+            ensure!(k == v, "GET {k} after the roll: {v}");
+        }
+        Ok(())
+    })
+    .await??;
     operator.stop().await;
     Ok(())
 }
