@@ -101,6 +101,10 @@ fn main() -> ExitCode {
             announce_tls,
         )
         .test(
+            "tls_shards_2_to_3_and_back_move_slots_over_tls_and_lose_no_key",
+            tls_scaling,
+        )
+        .test(
             "announce_hostname_endpoints_per_node_then_one_advertised_name_reach_a_client_that_resolves_them",
             announce_hostnames,
         )
@@ -1618,6 +1622,104 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         Ok(())
     })
     .await??;
+    operator.stop().await;
+    Ok(())
+}
+
+/// `spec.tls` while shards scale out and in: slots move between nodes that speak only TLS
+/// (Valkey's atomic slot migration over TLS replication links), and every key written
+/// before is read back after each step through redis-cli over TLS.
+async fn tls_scaling(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = env;
+    let operator = Operator::start(&client, &ns);
+    let tls = ClusterTls::new()?;
+    tls.create_secret(&client, &ns, "vc-tls").await?;
+    let mut vc = cluster("vc", 2, 1)?;
+    vc.spec.tls = serde_json::from_value(json!({ "secretName": "vc-tls" }))?;
+    create(&client, &ns, &vc).await?;
+    wait_ready(&client, &ns, "vc", FORM).await?;
+    let dial = tls.dial()?;
+    let cli = tls.redis_cli_args();
+    // A node's own view of how many slots each primary serves, asked over TLS.
+    let slots = |seed: std::net::SocketAddr| {
+        let dial = dial.clone();
+        async move {
+            let mut c = Admin::dial(seed, &dial).await?;
+            let mut counts: Vec<u32> = c
+                .cluster_nodes()
+                .await?
+                .iter()
+                .filter(|l| l.is_primary() && !l.slots.is_empty())
+                .map(|l| l.slot_count())
+                .collect();
+            counts.sort();
+            Ok::<_, anyhow::Error>(counts)
+        }
+    };
+    let seed = *pod_addrs(&client, &ns, "vc")
+        .await?
+        .values()
+        .next()
+        .context("a pod")?;
+    let keys = spread_keys(1_000, "cli");
+    {
+        let cli = cli.clone();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = cli.iter().map(String::as_str).collect();
+            redis_cli_set_get_with(seed, 1_000, &args)
+        })
+        .await??;
+    }
+    let read_back = |seed: std::net::SocketAddr| {
+        let (cli, keys) = (cli.clone(), keys.clone());
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            let gets: Vec<String> = keys.iter().map(|k| format!("GET {k}")).collect();
+            let mut args = vec!["-c".to_string(), "-h".into(), seed.ip().to_string()];
+            args.extend(["-p".to_string(), seed.port().to_string()]);
+            args.extend(cli);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let lines = shardgate_harness::clients::cli_script(&args, &gets)?;
+            let values: Vec<&String> = lines
+                .iter()
+                .filter(|l| !l.starts_with("-> Redirected"))
+                .collect();
+            ensure!(values.len() == keys.len(), "{} replies", values.len());
+            for (k, v) in keys.iter().zip(values) {
+                ensure!(k == v, "GET {k}: {v}");
+            }
+            Ok(())
+        })
+    };
+
+    for (shards, want) in [(3, vec![5461, 5461, 5462]), (2, vec![8192, 8192])] {
+        set_spec(&client, &ns, json!({ "shards": shards })).await?;
+        eventually(
+            &format!("{shards} shards over TLS serving {want:?} slots"),
+            FORM,
+            || async {
+                let vc = wait_ready(&client, &ns, "vc", FORM).await?;
+                let formed = vc.status.as_ref().and_then(|s| s.formed);
+                ensure!(
+                    formed.as_ref().is_some_and(|f| f.shards == shards),
+                    "formed {formed:?}"
+                );
+                let addrs = pod_addrs(&client, &ns, "vc").await?;
+                ensure!(addrs.len() == 2 * shards as usize, "{} pods", addrs.len());
+                for a in addrs.values() {
+                    let counts = slots(*a).await?;
+                    ensure!(counts == want, "{a} sees {counts:?}");
+                }
+                Ok(())
+            },
+        )
+        .await?;
+        let seed = *pod_addrs(&client, &ns, "vc")
+            .await?
+            .values()
+            .next()
+            .context("a pod")?;
+        read_back(seed).await??;
+    }
     operator.stop().await;
     Ok(())
 }
