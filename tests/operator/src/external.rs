@@ -531,3 +531,28 @@ pub fn redis_cli_set_get_with(seed: SocketAddr, n: usize, extra: &[&str]) -> Res
     }
     Ok(())
 }
+
+/// `redis-cli -c` (with `extra` arguments) GETs the `n` keys [`redis_cli_set_get`] wrote,
+/// at `seed`: each must read back its value.
+pub fn redis_cli_read_back(seed: SocketAddr, n: usize, extra: &[&str]) -> Result<()> {
+    let keys = spread_keys(n, "cli");
+    let gets: Vec<String> = keys.iter().map(|k| format!("GET {k}")).collect();
+    let (host, port) = (seed.ip().to_string(), seed.port().to_string());
+    let mut args = vec!["-c", "-h", &host, "-p", &port];
+    args.extend_from_slice(extra);
+    let lines = cli_script(&args, &gets)?;
+    let values: Vec<&String> = lines
+        .iter()
+        .filter(|l| !l.starts_with("-> Redirected"))
+        .collect();
+    ensure!(
+        values.len() == n,
+        "{} replies to {n} GETs; first: {:?}",
+        values.len(),
+        values.first()
+    );
+    for (k, v) in keys.iter().zip(values) {
+        ensure!(k == v, "GET {k}: {v}");
+    }
+    Ok(())
+}

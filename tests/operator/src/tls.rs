@@ -12,6 +12,8 @@ use serde_json::json;
 use shardgate_admin_client::{Client as Admin, Dial, Timeouts, Tls};
 use shardgate_harness::tls::{CertPair, TestPki};
 
+use crate::external::{redis_cli_read_back, redis_cli_set_get_with};
+
 /// A CA, the nodes' certificate (server and client use; it names none of the addresses
 /// clients dial) and an application's client certificate.
 pub struct ClusterTls {
@@ -80,6 +82,27 @@ impl ClusterTls {
             timeouts: Timeouts::default(),
             tls: Some(Tls::from_pem(self.pki.ca_pem.as_bytes(), Some(identity))?),
         })
+    }
+
+    /// `redis-cli --tls -c` at `seed`: `n` SET/GET over every slot, following MOVED
+    /// ([`redis_cli_set_get_with`]).
+    pub async fn redis_cli_set_get(&self, seed: SocketAddr, n: usize) -> Result<()> {
+        let cli = self.redis_cli_args();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = cli.iter().map(String::as_str).collect();
+            redis_cli_set_get_with(seed, n, &args)
+        })
+        .await?
+    }
+
+    /// `redis-cli --tls -c` at `seed` reads back the keys [`Self::redis_cli_set_get`] wrote.
+    pub async fn redis_cli_read_back(&self, seed: SocketAddr, n: usize) -> Result<()> {
+        let cli = self.redis_cli_args();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = cli.iter().map(String::as_str).collect();
+            redis_cli_read_back(seed, n, &args)
+        })
+        .await?
     }
 
     /// redis-cli's TLS arguments, with the application's certificate.

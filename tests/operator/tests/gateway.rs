@@ -17,8 +17,8 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_kube_harness::{TestEnv, TRAEFIK_CONTROLLER_NAME};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, external_cluster, external_services, failovers_under_load, gateway_access,
-    only_external_addresses, port_range, redis_cli_set_get, redis_cli_set_get_with,
-    wait_external_ready, TraefikGateway, FORM,
+    only_external_addresses, port_range, redis_cli_set_get, wait_external_ready, TraefikGateway,
+    FORM,
 };
 use shardgate_operator_e2e::tls::{refuses_plain_and_anonymous, topology_over_tls, ClusterTls};
 use shardgate_operator_e2e::{condition, create, eventually, reconcile_again, Operator};
@@ -353,12 +353,7 @@ async fn tls_through(env: TestEnv) -> Result<()> {
     // redis-cli over TLS from one Gateway address: 2,000 SET/GET over every slot, following
     // MOVED to the Gateway's other listeners.
     let seed = seeds[0];
-    let cli = tls.redis_cli_args();
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = cli.iter().map(String::as_str).collect();
-        redis_cli_set_get_with(seed, 2_000, &args)
-    })
-    .await??;
+    tls.redis_cli_set_get(seed, 2_000).await?;
     refuses_plain_and_anonymous(seed, &tls.pki).await?;
     gw.traefik.check_running()?;
     operator.stop().await;

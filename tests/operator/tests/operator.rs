@@ -22,8 +22,8 @@ use shardgate_harness::clients::spread_keys;
 use shardgate_kube_harness::{Fault, TestEnv};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, cluster, external_cluster, external_services, failovers_under_load,
-    only_external_addresses, redis_cli_set_get, redis_cli_set_get_with, slot_addresses, views,
-    wait_external_ready, writer, FORM,
+    only_external_addresses, redis_cli_set_get, slot_addresses, views, wait_external_ready, writer,
+    FORM,
 };
 use shardgate_operator_e2e::tls::{refuses_plain_and_anonymous, topology_over_tls, ClusterTls};
 use shardgate_operator_e2e::{
@@ -1520,12 +1520,7 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
     // redis-cli over TLS through one NodePort: 2,000 SET/GET over every slot, following
     // the cluster's MOVED replies to the other NodePorts.
     let seed = seeds[0];
-    let cli = tls.redis_cli_args();
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = cli.iter().map(String::as_str).collect();
-        redis_cli_set_get_with(seed, 2_000, &args)
-    })
-    .await??;
+    tls.redis_cli_set_get(seed, 2_000).await?;
     refuses_plain_and_anonymous(seed, &tls.pki).await?;
 
     // The Secret renewed in place (as cert-manager renews it): every node presents the new
@@ -1597,31 +1592,7 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
             "{ep} presents another certificate than vc-tls-2's"
         );
     }
-    let cli = tls.redis_cli_args();
-    tokio::task::spawn_blocking(move || {
-        let keys = spread_keys(2_000, "cli");
-        let gets: Vec<String> = keys.iter().map(|k| format!("GET {k}")).collect();
-        let mut args = vec!["-c".to_string(), "-h".into(), seed.ip().to_string()];
-        args.extend(["-p".to_string(), seed.port().to_string()]);
-        args.extend(cli);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let lines = shardgate_harness::clients::cli_script(&args, &gets)?;
-        let values: Vec<&String> = lines
-            .iter()
-            .filter(|l| !l.starts_with("-> Redirected"))
-            .collect();
-        ensure!(
-            values.len() == keys.len(),
-            "{} replies to {} GETs",
-            values.len(),
-            keys.len()
-        );
-        for (k, v) in keys.iter().zip(values) {
-            ensure!(k == v, "GET {k} after the roll: {v}");
-        }
-        Ok(())
-    })
-    .await??;
+    tls.redis_cli_read_back(seed, 2_000).await?;
     operator.stop().await;
     Ok(())
 }
@@ -1639,7 +1610,6 @@ async fn tls_scaling(env: TestEnv) -> Result<()> {
     create(&client, &ns, &vc).await?;
     wait_ready(&client, &ns, "vc", FORM).await?;
     let dial = tls.dial()?;
-    let cli = tls.redis_cli_args();
     // A node's own view of how many slots each primary serves, asked over TLS.
     let slots = |seed: std::net::SocketAddr| {
         let dial = dial.clone();
@@ -1661,35 +1631,7 @@ async fn tls_scaling(env: TestEnv) -> Result<()> {
         .values()
         .next()
         .context("a pod")?;
-    let keys = spread_keys(1_000, "cli");
-    {
-        let cli = cli.clone();
-        tokio::task::spawn_blocking(move || {
-            let args: Vec<&str> = cli.iter().map(String::as_str).collect();
-            redis_cli_set_get_with(seed, 1_000, &args)
-        })
-        .await??;
-    }
-    let read_back = |seed: std::net::SocketAddr| {
-        let (cli, keys) = (cli.clone(), keys.clone());
-        tokio::task::spawn_blocking(move || -> Result<()> {
-            let gets: Vec<String> = keys.iter().map(|k| format!("GET {k}")).collect();
-            let mut args = vec!["-c".to_string(), "-h".into(), seed.ip().to_string()];
-            args.extend(["-p".to_string(), seed.port().to_string()]);
-            args.extend(cli);
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let lines = shardgate_harness::clients::cli_script(&args, &gets)?;
-            let values: Vec<&String> = lines
-                .iter()
-                .filter(|l| !l.starts_with("-> Redirected"))
-                .collect();
-            ensure!(values.len() == keys.len(), "{} replies", values.len());
-            for (k, v) in keys.iter().zip(values) {
-                ensure!(k == v, "GET {k}: {v}");
-            }
-            Ok(())
-        })
-    };
+    tls.redis_cli_set_get(seed, 1_000).await?;
 
     for (shards, want) in [(3, vec![5461, 5461, 5462]), (2, vec![8192, 8192])] {
         set_spec(&client, &ns, json!({ "shards": shards })).await?;
@@ -1718,7 +1660,7 @@ async fn tls_scaling(env: TestEnv) -> Result<()> {
             .values()
             .next()
             .context("a pod")?;
-        read_back(seed).await??;
+        tls.redis_cli_read_back(seed, 1_000).await?;
     }
     operator.stop().await;
     Ok(())
