@@ -25,6 +25,9 @@ pub struct Context {
     pub timeouts: Timeouts,
     /// Consecutive failures per cluster, for the retry backoff.
     pub backoff: crate::reconcile::Backoff,
+    /// Consecutive looks per cluster with nodes that did not take on a renewed TLS
+    /// Secret ([`crate::tls::reload`]).
+    pub reload_behind: crate::reconcile::PerCluster,
     /// Whether Gateway API is served: found by [`crate::run`] at start-up.
     pub gateway_api: GatewayApi,
     /// The one-time warnings already published, by cluster and reason (one Event each per
@@ -47,6 +50,7 @@ impl Context {
             metrics,
             timeouts: Timeouts::default(),
             backoff: Default::default(),
+            reload_behind: Default::default(),
             gateway_api: GatewayApi::Missing("not looked for yet".into()),
             warned: Default::default(),
             proxy_image: DEFAULT_PROXY_IMAGE.into(),

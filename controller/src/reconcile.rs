@@ -293,9 +293,22 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         .collect();
     // A Secret renewed in place: the nodes read their files again (no restart).
     if let Some(tls) = &vc.spec.tls {
-        for what in crate::tls::reload(&pods, &stale, &dial, &tls.secret_name).await {
+        let reload = crate::tls::reload(&pods, &stale, &dial, &tls.secret_name).await;
+        for what in &reload.changed {
             info!(cluster = %name, "{what}");
-            publish(ctx, vc, EventType::Normal, "CertificateReloaded", &what).await;
+            publish(ctx, vc, EventType::Normal, "CertificateReloaded", what).await;
+        }
+        let looks = count(&ctx.reload_behind, vc, !reload.behind.is_empty());
+        if looks >= crate::tls::BEHIND_LOOKS && ctx.first_warning(vc, "CertificateNotReloaded") {
+            let nodes: Vec<String> = reload.behind.iter().map(|n| n.to_string()).collect();
+            let note = format!(
+                "node(s) {} still present another certificate than Secret {}'s after {looks} \
+                 looks: their files are not the Secret's (the kubelet writes a changed Secret \
+                 within a minute or two), or Valkey refused them (its log says why)",
+                nodes.join(", "),
+                tls.secret_name
+            );
+            publish(ctx, vc, EventType::Warning, "CertificateNotReloaded", &note).await;
         }
     }
     let mut rolled = false;
@@ -412,8 +425,23 @@ impl Context {
     }
 }
 
+/// `vc`'s count in `counts`, one more when `again`, else back to 0 (and forgotten).
+fn count(counts: &PerCluster, vc: &ValkeyCluster, again: bool) -> u32 {
+    let mut map = counts.lock().unwrap_or_else(|p| p.into_inner());
+    if !again {
+        map.remove(&ObjectRef::from_obj(vc));
+        return 0;
+    }
+    let n = map.entry(ObjectRef::from_obj(vc)).or_insert(0);
+    *n += 1;
+    *n
+}
+
+/// A count per cluster.
+pub type PerCluster = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
+
 /// Per-cluster consecutive failures, for the backoff.
-pub type Backoff = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
+pub type Backoff = PerCluster;
 
 /// The clusters a one-time warning was published for, with its reason.
 pub type Warned = Arc<Mutex<HashSet<(ObjectRef<ValkeyCluster>, &'static str)>>>;
@@ -564,4 +592,25 @@ pub async fn run(
         })
         .await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counts go up one look at a time, per cluster, and back to 0 at a look without.
+    #[test]
+    fn looks_in_a_row_are_counted_per_cluster() {
+        let counts = PerCluster::default();
+        let (a, b) = (ValkeyCluster::test("a"), ValkeyCluster::test("b"));
+        assert_eq!(count(&counts, &a, true), 1);
+        assert_eq!(count(&counts, &a, true), 2);
+        assert_eq!(count(&counts, &b, true), 1);
+        assert_eq!(count(&counts, &a, false), 0);
+        assert_eq!(count(&counts, &a, true), 1);
+        assert_eq!(count(&counts, &b, true), 2);
+        count(&counts, &a, false);
+        count(&counts, &b, false);
+        assert!(counts.lock().unwrap().is_empty(), "forgotten at 0");
+    }
 }

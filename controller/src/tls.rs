@@ -113,11 +113,11 @@ fn on_plain(pods: &[Pod]) -> bool {
 /// again on the next look. Returns what changed; a node that does not answer is left to
 /// formation.
 /// Pods about to be replaced (`stale`: a new Secret's roll) are left to the roll.
-pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -> Vec<String> {
+pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -> Reload {
+    let mut reload = Reload::default();
     let Some(want) = dial.tls.as_ref().and_then(Tls::certificate) else {
-        return Vec::new();
+        return reload;
     };
-    let mut changed = Vec::new();
     for (node, pod) in pods.nodes.iter().filter(|(n, _)| !stale.contains(n)) {
         let Some(addr) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
             continue;
@@ -126,7 +126,7 @@ pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -
         let result = async {
             let mut c = Client::dial(addr, dial).await?;
             if presents(&c) {
-                return Ok(false);
+                return Ok(None);
             }
             // The paths the node has, set again: the same paths, read afresh.
             let mut get = vec!["CONFIG", "GET"];
@@ -152,18 +152,34 @@ pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -
             }
             c.command(&set).await?;
             // The new settings are for new connections.
-            Ok::<_, shardgate_admin_client::Error>(presents(&Client::dial(addr, dial).await?))
+            let now = Client::dial(addr, dial).await?;
+            Ok::<_, shardgate_admin_client::Error>(Some(presents(&now)))
         };
         match result.await {
-            Ok(true) => changed.push(format!(
+            Ok(Some(true)) => reload.changed.push(format!(
                 "node {node} reloaded its certificate from Secret {secret}"
             )),
-            Ok(false) => {}
+            Ok(Some(false)) => reload.behind.push(*node),
+            Ok(None) => {}
             Err(e) => tracing::debug!(%node, "certificate reload: {e}"),
         }
     }
-    changed
+    reload
 }
+
+/// What [`reload`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reload {
+    /// A line per node that now presents the Secret's certificate.
+    pub changed: Vec<String>,
+    /// Nodes told to read their files that still present another certificate: their files
+    /// are not the Secret's yet, or Valkey refused them (its log says why).
+    pub behind: Vec<NodeRef>,
+}
+
+/// Looks in a row with nodes [`Reload::behind`] before a Warning says so: five minutes at a
+/// formed cluster's pace, past the minute or two the kubelet takes to write a Secret.
+pub const BEHIND_LOOKS: u32 = 10;
 
 /// The TLS settings of a Secret: its CA, and its certificate and key as the client's.
 fn from_secret(secret: &Secret) -> Result<Tls, String> {
@@ -282,7 +298,12 @@ mod tests {
         };
         let der = |pair: &shardgate_harness::tls::CertPair| Some(pair.cert_der().unwrap().to_vec());
 
-        assert!(reload(&pods, &[], &dial, "vc-tls").await.is_empty());
+        let nothing = Reload::default();
+        let behind = Reload {
+            behind: vec![node],
+            ..Reload::default()
+        };
+        assert_eq!(reload(&pods, &[], &dial, "vc-tls").await, behind);
         assert_eq!(
             presented().await,
             der(&old),
@@ -290,17 +311,20 @@ mod tests {
         );
 
         old.replace_with(&renewed).unwrap();
+        let changed = reload(&pods, &[], &dial, "vc-tls").await;
         assert_eq!(
-            reload(&pods, &[], &dial, "vc-tls").await,
+            changed.changed,
             ["node 0-0 reloaded its certificate from Secret vc-tls"]
         );
+        assert!(changed.behind.is_empty());
         assert_eq!(presented().await, der(&renewed));
-        assert!(reload(&pods, &[], &dial, "vc-tls").await.is_empty());
+        assert_eq!(reload(&pods, &[], &dial, "vc-tls").await, nothing);
         // A pod the roll replaces next is left to it.
-        assert!(reload(&pods, &[node], &dial, "vc-tls").await.is_empty());
+        assert_eq!(reload(&pods, &[node], &dial, "vc-tls").await, nothing);
         // A plain cluster has nothing to reload.
-        assert!(reload(&pods, &[], &Dial::default(), "vc-tls")
-            .await
-            .is_empty());
+        assert_eq!(
+            reload(&pods, &[], &Dial::default(), "vc-tls").await,
+            nothing
+        );
     }
 }
