@@ -67,7 +67,12 @@ pub fn compute(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<Compu
         // A cluster that has never formed refuses every command (CLUSTERDOWN): its
         // endpoints are not access yet. Once formed, a lost node is Degraded's to report.
         let forming = !matches!(o.progress, Progress::Formed(_)) && !was_formed(vc);
-        conditions.push(external_condition(ext, o.desired_nodes, forming));
+        conditions.push(external_condition(
+            ext,
+            o.desired_nodes,
+            forming,
+            vc.spec.tls.is_some(),
+        ));
     }
     if let Some(r) = o.gateway {
         conditions.push(gateway_condition(r));
@@ -108,8 +113,8 @@ fn gateway_condition(r: &Routing) -> Computed {
 
 /// ExternalAccessReady: true when every node has an external endpoint, one that clients are
 /// handed (not a DNS name under `preferredEndpointType: ip`), and the cluster has formed
-/// (`forming`: not yet).
-fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Computed {
+/// (`forming`: not yet). `tls`: the nodes speak only TLS, which the message says.
+fn external_condition(ext: &External, desired_nodes: usize, forming: bool, tls: bool) -> Computed {
     let all = ext.missing.is_empty() && ext.endpoints.len() == desired_nodes;
     if all && forming {
         return Computed {
@@ -143,8 +148,14 @@ fn external_condition(ext: &External, desired_nodes: usize, forming: bool) -> Co
             status: true,
             reason: "EndpointsReady",
             message: format!(
-                "{} nodes reachable from outside; bootstrap: {}",
+                "{} nodes reachable from outside{}; bootstrap: {}",
                 ext.endpoints.len(),
+                if tls {
+                    " over TLS only (with a client certificate of the Secret's CA unless \
+                     tls-auth-clients says otherwise)"
+                } else {
+                    ""
+                },
                 ext.bootstrap().unwrap_or_default()
             ),
         }
@@ -535,23 +546,33 @@ mod tests {
             missing: vec!["node 0-1: Service vc-shard-0 has no NodePort yet".into()],
             names_not_handed_out: vec![],
         };
-        let c = external_condition(&ext, 2, false);
+        let c = external_condition(&ext, 2, false, false);
         assert!(!c.status);
         assert_eq!(c.reason, "EndpointsPending");
         assert!(c.message.contains("1 of 2 nodes") && c.message.contains("0-1"));
         // While forming, what is missing is still what it says.
-        assert_eq!(external_condition(&ext, 2, true).reason, "EndpointsPending");
+        assert_eq!(
+            external_condition(&ext, 2, true, false).reason,
+            "EndpointsPending"
+        );
         ext.endpoints.push(endpoint(1, NodeRole::Primary));
         ext.missing.clear();
         // Every endpoint, but no cluster yet: clients from outside would be refused.
-        let c = external_condition(&ext, 2, true);
+        let c = external_condition(&ext, 2, true, false);
         assert!(!c.status);
         assert_eq!(c.reason, "ClusterForming");
-        let c = external_condition(&ext, 2, false);
+        let c = external_condition(&ext, 2, false, false);
         assert!(c.status);
         assert!(
             c.message
                 .ends_with("bootstrap: 10.0.0.1:30001,10.0.0.1:30000"),
+            "{}",
+            c.message
+        );
+        // Nodes on TLS: the message says how to connect.
+        let c = external_condition(&ext, 2, false, true);
+        assert!(
+            c.message.contains("reachable from outside over TLS only"),
             "{}",
             c.message
         );
@@ -566,7 +587,7 @@ mod tests {
             missing: vec![],
             names_not_handed_out: vec!["node 0-0: lb-1.elb.example.com".into()],
         };
-        let c = external_condition(&ext, 1, false);
+        let c = external_condition(&ext, 1, false, false);
         assert!(!c.status);
         assert_eq!(c.reason, "HostnamesNotPreferred");
         assert!(
@@ -576,7 +597,10 @@ mod tests {
             c.message
         );
         // While forming, forming is what it says.
-        assert_eq!(external_condition(&ext, 1, true).reason, "ClusterForming");
+        assert_eq!(
+            external_condition(&ext, 1, true, false).reason,
+            "ClusterForming"
+        );
     }
 
     /// Through `compute`: all endpoints while the cluster forms is not access yet; once it

@@ -1506,6 +1506,13 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         .map(|e| e.address())
         .collect();
     ensure!(external_addrs.len() == 6, "{external_addrs:?}");
+    let ready = condition(&vc, "ExternalAccessReady");
+    ensure!(
+        ready
+            .as_ref()
+            .is_some_and(|(_, _, m)| m.contains("reachable from outside over TLS only")),
+        "ExternalAccessReady: {ready:?}"
+    );
 
     // The topology, asked over TLS through a NodePort, names only external addresses, as
     // TLS ports. Ready says every node is in place; the seed's view may be a gossip round
