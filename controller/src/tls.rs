@@ -3,6 +3,7 @@
 //! and the reload of a Secret renewed in place ([`reload`]).
 
 use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams};
 use kube::ResourceExt;
 use shardgate_admin_client::{Client, Dial, Reply, Tls};
@@ -86,11 +87,16 @@ pub async fn nodes_on_plain(vc: &ValkeyCluster, ctx: &Context) -> Result<bool> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), &namespace(vc)?)
         .list(&ListParams::default().labels(&cluster_selector(vc)))
         .await?;
-    Ok(on_plain(&pods.items))
+    Ok(on_plain(
+        &pods.items,
+        vc.metadata.creation_timestamp.as_ref(),
+    ))
 }
 
 /// Whether any node pod of `pods` (one with a shard index) lacks the Secret's volume.
-fn on_plain(pods: &[Pod]) -> bool {
+/// Only pods of this cluster count: not one being deleted, nor one made before the cluster
+/// was (a deleted cluster of the same name whose pods are still going).
+fn on_plain(pods: &[Pod], cluster_made: Option<&Time>) -> bool {
     let has_secret = |p: &Pod| {
         p.spec.as_ref().is_some_and(|s| {
             s.volumes
@@ -99,8 +105,16 @@ fn on_plain(pods: &[Pod]) -> bool {
                 .any(|v| v.name == VOLUME && v.secret.is_some())
         })
     };
+    let ours = |p: &&Pod| {
+        p.metadata.deletion_timestamp.is_none()
+            && match (cluster_made, p.metadata.creation_timestamp.as_ref()) {
+                (Some(made), Some(pod)) => pod.0 >= made.0,
+                _ => true,
+            }
+    };
     pods.iter()
         .filter(|p| p.labels().contains_key(labels::SHARD_INDEX))
+        .filter(ours)
         .any(|p| !has_secret(p))
 }
 
@@ -199,10 +213,11 @@ mod tests {
     use k8s_openapi::ByteString;
 
     /// Node pods without the Secret's volume are on plain RESP; the proxy's pods (no shard
-    /// index) do not count.
+    /// index), pods being deleted and pods older than the cluster do not count.
     #[test]
     fn pods_without_the_secret_are_on_plain() {
-        let pod = |shard: Option<&str>, secret: bool| -> Pod {
+        let made = |t: &str| Time(t.parse().unwrap());
+        let pod_at = |shard: Option<&str>, secret: bool, created: &str, deleting: bool| -> Pod {
             let mut labels = serde_json::Map::new();
             if let Some(s) = shard {
                 labels.insert(labels::SHARD_INDEX.into(), s.into());
@@ -212,16 +227,31 @@ mod tests {
             } else {
                 serde_json::json!([{ "name": "data", "emptyDir": {} }])
             };
+            let mut metadata = serde_json::json!({
+                "name": "p", "labels": labels, "creationTimestamp": created,
+            });
+            if deleting {
+                metadata["deletionTimestamp"] = created.into();
+            }
             serde_json::from_value(serde_json::json!({
-                "metadata": { "name": "p", "labels": labels },
+                "metadata": metadata,
                 "spec": { "containers": [], "volumes": volumes },
             }))
             .unwrap()
         };
-        assert!(!on_plain(&[]));
-        assert!(!on_plain(&[pod(Some("0"), true), pod(Some("1"), true)]));
-        assert!(!on_plain(&[pod(Some("0"), true), pod(None, false)]));
-        assert!(on_plain(&[pod(Some("0"), true), pod(Some("1"), false)]));
+        let pod = |shard, secret| pod_at(shard, secret, "2026-12-02T10:00:00Z", false);
+        let cluster = made("2026-12-02T09:00:00Z");
+        let on = |pods: &[Pod]| on_plain(pods, Some(&cluster));
+        assert!(!on(&[]));
+        assert!(!on(&[pod(Some("0"), true), pod(Some("1"), true)]));
+        assert!(!on(&[pod(Some("0"), true), pod(None, false)]));
+        assert!(on(&[pod(Some("0"), true), pod(Some("1"), false)]));
+        assert!(on_plain(&[pod(Some("1"), false)], None));
+        // A plain pod going away, or one of a cluster of the same name deleted before.
+        let going = pod_at(Some("1"), false, "2026-12-02T10:00:00Z", true);
+        assert!(!on(&[pod(Some("0"), true), going]));
+        let older = pod_at(Some("1"), false, "2026-12-02T08:59:59Z", false);
+        assert!(!on(&[pod(Some("0"), true), older]));
     }
 
     /// A Secret without one of its keys, or with one that is not PEM, is refused with the
