@@ -9,13 +9,13 @@ use kube::ResourceExt;
 use shardgate_admin_client::{Client, Dial, Reply, Tls};
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_crds::NodeRef;
 
 use crate::configmap::CLIENT_PORT;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::objects::{cluster_selector, namespace};
 use crate::pods::Pods;
-use shardgate_crds::NodeRef;
 
 /// The pod volume of the Secret, and where it is mounted.
 pub const VOLUME: &str = "tls";
