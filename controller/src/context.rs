@@ -24,7 +24,7 @@ pub struct Context {
     /// How long the operator waits for a Valkey node.
     pub timeouts: Timeouts,
     /// Consecutive failures per cluster, for the retry backoff.
-    pub backoff: crate::reconcile::Backoff,
+    pub backoff: crate::reconcile::PerCluster,
     /// Consecutive looks per cluster with nodes that did not take on a renewed TLS
     /// Secret ([`crate::tls::reload`]).
     pub reload_behind: crate::reconcile::PerCluster,

@@ -41,7 +41,7 @@ pub async fn reconcile(vc: Arc<ValkeyCluster>, ctx: Arc<Context>) -> Result<Acti
     let _measure = ctx.metrics.measure();
     match apply(&vc, &ctx).await {
         Ok(action) => {
-            ctx.failures(&vc, Some(0));
+            count(&ctx.backoff, &vc, false);
             Ok(action)
         }
         Err(e) => {
@@ -401,7 +401,7 @@ pub fn error_policy(vc: Arc<ValkeyCluster>, error: &Error, ctx: Arc<Context>) ->
             error: error.label(),
         })
         .inc();
-    let n = ctx.failures(&vc, None);
+    let n = count(&ctx.backoff, &vc, true);
     let delay = Duration::from_secs(1u64 << n.min(8)).min(Duration::from_secs(300));
     warn!(cluster = %vc.name_any(), retry_in = ?delay, "reconcile failed: {error}");
     Action::requeue(delay)
@@ -414,18 +414,10 @@ impl Context {
         let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
         warned.insert((ObjectRef::from_obj(vc), reason))
     }
-
-    /// The cluster's consecutive failures, counted up by one (`None`) or set.
-    fn failures(&self, vc: &ValkeyCluster, set: Option<u32>) -> u32 {
-        let key = ObjectRef::from_obj(vc);
-        let mut map = self.backoff.lock().unwrap_or_else(|p| p.into_inner());
-        let n = map.entry(key).or_insert(0);
-        *n = set.unwrap_or(*n + 1);
-        *n
-    }
 }
 
-/// `vc`'s count in `counts`, one more when `again`, else back to 0 (and forgotten).
+/// `vc`'s count in `counts` (consecutive failures, looks with nodes behind...), one more
+/// when `again`, else back to 0 (and forgotten).
 fn count(counts: &PerCluster, vc: &ValkeyCluster, again: bool) -> u32 {
     let mut map = counts.lock().unwrap_or_else(|p| p.into_inner());
     if !again {
@@ -437,11 +429,8 @@ fn count(counts: &PerCluster, vc: &ValkeyCluster, again: bool) -> u32 {
     *n
 }
 
-/// A count per cluster.
+/// A count per cluster ([`count`]).
 pub type PerCluster = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
-
-/// Per-cluster consecutive failures, for the backoff.
-pub type Backoff = PerCluster;
 
 /// The clusters a one-time warning was published for, with its reason.
 pub type Warned = Arc<Mutex<HashSet<(ObjectRef<ValkeyCluster>, &'static str)>>>;

@@ -192,7 +192,7 @@ fn readiness(vc: &ValkeyCluster) -> Value {
             ("--cert", tls::CERT),
             ("--key", tls::KEY),
         ] {
-            command.extend([flag.to_string(), format!("{}/{file}", tls::DIR)]);
+            command.extend([flag.to_string(), tls::path(file)]);
         }
         command.extend(["-p".into(), CLIENT_PORT.to_string(), "ping".into()]);
         probe["exec"] = json!({ "command": command });

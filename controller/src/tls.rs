@@ -45,12 +45,17 @@ const FILES: [(&str, &str); 3] = [
     ("tls-ca-cert-file", CA),
 ];
 
+/// Where the pod finds one of the Secret's files (`CA`, `CERT`, `KEY`).
+pub fn path(file: &str) -> String {
+    format!("{DIR}/{file}")
+}
+
 /// The Secret's files, on the node's command line (as `--dir`: a path in the file would not
 /// follow a relocated mount).
 pub fn args() -> Vec<String> {
     FILES
         .into_iter()
-        .flat_map(|(key, file)| [format!("--{key}"), format!("{DIR}/{file}")])
+        .flat_map(|(key, file)| [format!("--{key}"), path(file)])
         .collect()
 }
 
@@ -126,6 +131,7 @@ fn on_plain(pods: &[Pod], cluster_made: Option<&Time>) -> bool {
 /// syncs a Secret within a minute or so) keeps presenting the old certificate and is tried
 /// again on the next look. Returns what changed; a node that does not answer is left to
 /// formation.
+///
 /// Pods about to be replaced (`stale`: a new Secret's roll) are left to the roll.
 pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -> Reload {
     let mut reload = Reload::default();
@@ -145,25 +151,27 @@ pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -
             // The paths the node has, set again: the same paths, read afresh.
             let mut get = vec!["CONFIG", "GET"];
             get.extend(FILES.map(|(key, _)| key));
-            let mut set = vec![b"CONFIG".to_vec(), b"SET".to_vec()];
-            match c.command(&get).await? {
-                Reply::Array(pairs) => set.extend(pairs.into_iter().filter_map(|r| match r {
-                    Reply::BulkString(b) => Some(b.to_vec()),
-                    _ => None,
-                })),
-                other => {
-                    return Err(shardgate_admin_client::Error::Shape {
-                        addr: Some(addr),
-                        message: format!("CONFIG GET of the TLS files: {other:?}"),
+            let reply = c.command(&get).await?;
+            let pairs: Vec<&[u8]> = match &reply {
+                Reply::Array(items) => items
+                    .iter()
+                    .filter_map(|r| match r {
+                        Reply::BulkString(b) => Some(b.as_ref()),
+                        _ => None,
                     })
-                }
-            }
-            if set.len() != 2 + 2 * FILES.len() {
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if pairs.len() != 2 * FILES.len() {
                 return Err(shardgate_admin_client::Error::Shape {
                     addr: Some(addr),
-                    message: format!("CONFIG GET of the TLS files: {set:?}"),
+                    message: format!("CONFIG GET of the TLS files: {reply:?}"),
                 });
             }
+            let set: Vec<&[u8]> = [b"CONFIG".as_slice(), b"SET"]
+                .into_iter()
+                .chain(pairs)
+                .collect();
             c.command(&set).await?;
             // The new settings are for new connections.
             let now = Client::dial(addr, dial).await?;

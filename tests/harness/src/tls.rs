@@ -102,9 +102,21 @@ impl TestPki {
     /// A server certificate for `names`, written as `<stem>.crt` / `<stem>.key`.
     /// `expired`: valid in 2000 only.
     pub fn server_cert(&self, stem: &str, names: &[String], expired: bool) -> Result<CertPair> {
+        let usages = [ExtendedKeyUsagePurpose::ServerAuth];
+        self.named_leaf(stem, names, &usages, expired)
+    }
+
+    /// A leaf certificate for `names` with these extended key usages.
+    fn named_leaf(
+        &self,
+        stem: &str,
+        names: &[String],
+        usages: &[ExtendedKeyUsagePurpose],
+        expired: bool,
+    ) -> Result<CertPair> {
         let mut params = CertificateParams::new(names.to_vec())?;
         params.distinguished_name.push(DnType::CommonName, stem);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.extended_key_usages = usages.to_vec();
         if expired {
             params.not_before = rcgen::date_time_ymd(2000, 1, 1);
             params.not_after = rcgen::date_time_ymd(2000, 12, 31);
@@ -127,13 +139,11 @@ impl TestPki {
     /// since a node presents it both ways (to clients, and to the nodes and primaries it
     /// dials on the cluster bus and for replication).
     pub fn node_cert(&self, stem: &str, names: &[String]) -> Result<CertPair> {
-        let mut params = CertificateParams::new(names.to_vec())?;
-        params.distinguished_name.push(DnType::CommonName, stem);
-        params.extended_key_usages = vec![
+        let usages = [
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
-        self.sign(stem, params)
+        self.named_leaf(stem, names, &usages, false)
     }
 
     /// A client certificate (mTLS) with common name `cn`.

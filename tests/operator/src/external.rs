@@ -509,25 +509,10 @@ pub fn redis_cli_set_get_with(seed: SocketAddr, n: usize, extra: &[&str]) -> Res
     let keys = spread_keys(n, "cli");
     let mut script: Vec<String> = keys.iter().map(|k| format!("SET {k} {k}")).collect();
     script.extend(keys.iter().map(|k| format!("GET {k}")));
-    let (host, port) = (seed.ip().to_string(), seed.port().to_string());
-    let mut args = vec!["-c", "-h", &host, "-p", &port];
-    args.extend_from_slice(extra);
-    let lines = cli_script(&args, &script)?;
-    // Redirect notices, if this redis-cli prints them, are not replies.
-    let replies: Vec<&String> = lines
-        .iter()
-        .filter(|l| !l.starts_with("-> Redirected"))
-        .collect();
-    ensure!(
-        replies.len() == 2 * n,
-        "{} replies to {} commands; first: {:?}",
-        replies.len(),
-        2 * n,
-        replies.first()
-    );
+    let replies = cli_replies(seed, extra, &script)?;
     for (i, k) in keys.iter().enumerate() {
         ensure!(replies[i] == "OK", "SET {k}: {}", replies[i]);
-        ensure!(replies[n + i] == k, "GET {k}: {}", replies[n + i]);
+        ensure!(replies[n + i] == *k, "GET {k}: {}", replies[n + i]);
     }
     Ok(())
 }
@@ -537,22 +522,29 @@ pub fn redis_cli_set_get_with(seed: SocketAddr, n: usize, extra: &[&str]) -> Res
 pub fn redis_cli_read_back(seed: SocketAddr, n: usize, extra: &[&str]) -> Result<()> {
     let keys = spread_keys(n, "cli");
     let gets: Vec<String> = keys.iter().map(|k| format!("GET {k}")).collect();
+    let values = cli_replies(seed, extra, &gets)?;
+    for (k, v) in keys.iter().zip(values) {
+        ensure!(*k == v, "GET {k}: {v}");
+    }
+    Ok(())
+}
+
+/// `redis-cli -c` at `seed` (with `extra` arguments) runs `script`: a reply per command.
+fn cli_replies(seed: SocketAddr, extra: &[&str], script: &[String]) -> Result<Vec<String>> {
     let (host, port) = (seed.ip().to_string(), seed.port().to_string());
     let mut args = vec!["-c", "-h", &host, "-p", &port];
     args.extend_from_slice(extra);
-    let lines = cli_script(&args, &gets)?;
-    let values: Vec<&String> = lines
-        .iter()
+    // Redirect notices, if this redis-cli prints them, are not replies.
+    let replies: Vec<String> = cli_script(&args, script)?
+        .into_iter()
         .filter(|l| !l.starts_with("-> Redirected"))
         .collect();
     ensure!(
-        values.len() == n,
-        "{} replies to {n} GETs; first: {:?}",
-        values.len(),
-        values.first()
+        replies.len() == script.len(),
+        "{} replies to {} commands; first: {:?}",
+        replies.len(),
+        script.len(),
+        replies.first()
     );
-    for (k, v) in keys.iter().zip(values) {
-        ensure!(k == v, "GET {k}: {v}");
-    }
-    Ok(())
+    Ok(replies)
 }
