@@ -519,18 +519,24 @@ fn command_at(
 /// or leading zero (`0` alone excepted) that fits in 18 digits, its line no longer than
 /// `max_line`: the number and the header's length. `None` for anything else, and for a
 /// header not all in `buf`.
-#[inline]
+#[inline(always)]
 fn header(buf: &[u8], ty: u8, max_line: usize) -> Option<(u64, usize)> {
-    // Nearly every header has one or two digits.
+    // Nearly every header has one or two digits: read here, in the caller's loop; the
+    // rest out of line.
     match *buf {
         [t, d @ b'0'..=b'9', b'\r', b'\n', ..] if t == ty && max_line > 1 => {
-            return Some((u64::from(d - b'0'), 4));
+            Some((u64::from(d - b'0'), 4))
         }
         [t, d1 @ b'1'..=b'9', d2 @ b'0'..=b'9', b'\r', b'\n', ..] if t == ty && max_line > 2 => {
-            return Some((u64::from((d1 - b'0') * 10 + (d2 - b'0')), 5));
+            Some((u64::from((d1 - b'0') * 10 + (d2 - b'0')), 5))
         }
-        _ => {}
+        _ => long_header(buf, ty, max_line),
     }
+}
+
+/// [`header`] for any number of digits.
+#[inline(never)]
+fn long_header(buf: &[u8], ty: u8, max_line: usize) -> Option<(u64, usize)> {
     let rest = buf.strip_prefix(&[ty])?;
     let mut n: u64 = 0;
     let mut digits = 0;
