@@ -677,9 +677,52 @@ fn split_args(line: &[u8]) -> Option<Vec<Vec<u8>>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Every buffer of a type byte and up to `n` bytes from `bytes`.
+    pub(crate) fn every_buffer(first: u8, bytes: &[u8], n: u32, mut each: impl FnMut(&[u8])) {
+        let mut buf = Vec::new();
+        for len in 0..=n {
+            for mut code in 0..bytes.len().pow(len) {
+                buf.clear();
+                buf.push(first);
+                for _ in 0..len {
+                    buf.push(bytes[code % bytes.len()]);
+                    code /= bytes.len();
+                }
+                each(&buf);
+            }
+        }
+    }
+
+    /// The header's inline arms read what its general reading does: every header-like
+    /// buffer of up to six bytes after the type byte, of either type, under each small line
+    /// limit (the property tests below give no limit of 0).
+    #[test]
+    fn a_header_reads_alike_inline_and_out_of_line() {
+        for first in [b'*', b'$'] {
+            every_buffer(first, b"019-\r\nx", 6, |buf| {
+                for ty in [b'*', b'$'] {
+                    for max_line in [0, 1, 2, 3, 64] {
+                        assert_eq!(
+                            header(buf, ty, max_line),
+                            long_header(buf, ty, max_line),
+                            "{:?} as {} under {max_line}",
+                            String::from_utf8_lossy(buf),
+                            ty as char
+                        );
+                    }
+                }
+            });
+        }
+        // Hand-read: two digits, a leading zero, a line one byte too long.
+        assert_eq!(header(b"$16\r\nkey", b'$', 64), Some((16, 5)));
+        assert_eq!(header(b"*05\r\n", b'*', 64), None);
+        assert_eq!(header(b"$16\r\n", b'$', 2), None);
+        assert_eq!(header(b"$16\r\n", b'$', 3), Some((16, 5)));
+    }
 
     /// (name, first argument, argument count) of each command.
     type Seen = Vec<(Vec<u8>, Vec<u8>, u64)>;

@@ -510,7 +510,37 @@ fn parse_len(body: &[u8]) -> Result<Option<u64>, RespError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::resp::request::tests::every_buffer;
     use proptest::prelude::*;
+
+    /// A bulk string's inline reading agrees with its general one: every bulk-like buffer
+    /// of up to seven bytes after the `$`, under each small line limit (the property tests
+    /// below give no limit of 0), and hand-read cases past that length.
+    #[test]
+    fn a_bulk_string_reads_alike_inline_and_out_of_line() {
+        every_buffer(b'$', b"019-\r\nx", 7, |buf| {
+            for max_line in [0, 1, 2, 3, 64] {
+                assert_eq!(
+                    whole_bulk(buf, max_line),
+                    long_bulk(buf, max_line),
+                    "{:?} under {max_line}",
+                    String::from_utf8_lossy(buf)
+                );
+            }
+        });
+        for (buf, max_line, want) in [
+            (&b"$10\r\n0123456789\r\n+OK"[..], 64, Some(17)),
+            (b"$05\r\nhello\r\n", 64, Some(12)),
+            (b"$05\r\nhello\r\n", 1, None),
+            (b"$00\r\n\r\n", 2, Some(7)),
+            (b"$10\r\n0123456789\r", 64, None),
+            (b"$-1\r\n", 2, Some(5)),
+            (b"$123\r\n", 64, None),
+        ] {
+            assert_eq!(whole_bulk(buf, max_line), want, "{:?}", String::from_utf8_lossy(buf));
+            assert_eq!(long_bulk(buf, max_line), want, "{:?}", String::from_utf8_lossy(buf));
+        }
+    }
 
     /// Frame ends, scanning the whole input in one call per frame.
     fn ends(input: &[u8]) -> Result<Vec<usize>, RespError> {
