@@ -172,7 +172,8 @@ pub struct ProxySettings {
     #[arg(long, value_name = "N", default_value_t = defaults::MAX_CONNECTIONS)]
     pub max_connections: usize,
 
-    /// Close a connection after this long without a byte either way; 0 never.
+    /// Close a connection after this long without a byte either way (looked at every eighth
+    /// of it, so up to an eighth later); 0 never.
     #[arg(long, value_name = "DURATION", default_value_t = human(defaults::IDLE_TIMEOUT))]
     #[serde(serialize_with = "display")]
     pub idle_timeout: humantime::Duration,

@@ -513,7 +513,7 @@ struct Requests<'s> {
 impl Observer for Requests<'_> {
     /// Back-pressure on a client that pipelines far ahead of the replies.
     fn ready(&self) -> impl Future<Output = ()> + Send {
-        self.shared.room_for_requests()
+        self.side.ready(self.shared)
     }
 
     fn observe<'a>(&'a mut self, input: &'a [u8]) -> Result<&'a [u8], RespError> {

@@ -105,12 +105,16 @@ impl Shared {
 /// Client → server.
 pub struct RequestSide {
     scanner: RequestScanner,
+    /// The queue was short enough to read more when the last commands were noted. Only
+    /// this side lengthens it, so it still is: no lock to look again (a lock per read).
+    room: bool,
 }
 
 impl RequestSide {
     pub fn new(limits: Limits) -> Self {
         RequestSide {
             scanner: RequestScanner::new(limits.max_line),
+            room: true,
         }
     }
 
@@ -123,7 +127,15 @@ impl RequestSide {
                 pairing.input_rejected();
             }
         }
+        self.room = pairing.entries() < MAX_PENDING;
         fed
+    }
+
+    /// Waits until more requests may be read ([`Shared::room_for_requests`]).
+    pub async fn ready(&self, shared: &Shared) {
+        if !self.room {
+            shared.room_for_requests().await;
+        }
     }
 }
 
@@ -703,7 +715,7 @@ mod tests {
             .unwrap();
         // The same wait, parked and then woken by the replies (a bound, not a pause: it
         // ends as soon as it is woken).
-        let mut wait = Box::pin(shared.room_for_requests());
+        let mut wait = Box::pin(requests.ready(&shared));
         assert!(
             tokio::time::timeout(Duration::from_millis(50), &mut wait)
                 .await
