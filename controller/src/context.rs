@@ -6,6 +6,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::Client;
 use shardgate_admin_client::Timeouts;
 
+use crate::client::ApiTimeouts;
 use crate::external::gateway::GatewayApi;
 use crate::metrics::Metrics;
 
@@ -18,7 +19,12 @@ pub const DEFAULT_PROXY_IMAGE: &str = "ghcr.io/shardgate/shardgate-proxy:0.1.0";
 /// The one dependency seam of the reconciler.
 #[derive(Clone)]
 pub struct Context {
+    /// For calls ([`crate::client::for_calls`]).
     pub client: Client,
+    /// For the controller's watches ([`crate::client::for_watches`]).
+    pub watch_client: Client,
+    /// How often the watches are renewed ([`crate::client`]).
+    pub api_timeouts: ApiTimeouts,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     /// How long the operator waits for a Valkey node.
@@ -38,7 +44,8 @@ pub struct Context {
 }
 
 impl Context {
-    /// A context whose events are reported as `instance` of the operator.
+    /// A context whose events are reported as `instance` of the operator, with one client
+    /// for calls and watches.
     pub fn new(client: Client, metrics: Arc<Metrics>, instance: Option<String>) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
@@ -46,6 +53,8 @@ impl Context {
         };
         Context {
             recorder: Recorder::new(client.clone(), reporter),
+            watch_client: client.clone(),
+            api_timeouts: ApiTimeouts::default(),
             client,
             metrics,
             timeouts: Timeouts::default(),

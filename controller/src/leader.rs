@@ -1,8 +1,10 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease, so that two operator replicas can
 //! run and only one reconciles. The holder renews the lease every third of its duration; a
 //! standby takes it over once it has not been renewed for a whole duration. A holder that
-//! cannot renew in time stops reconciling (the process exits, and its Deployment restarts it
-//! as a standby).
+//! has not renewed within two thirds of the duration stops reconciling at once, a call the
+//! API server does not answer included: the last third is the margin for a standby whose
+//! clock runs ahead. Its reconciles still going are dropped, not waited for (as a crash
+//! would), and the process exits; its Deployment restarts it as a standby.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -14,6 +16,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, PostParams};
 use kube::Client;
 use serde_json::json;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,49 +40,78 @@ impl LeaderElection {
             api: Api::namespaced(client, namespace),
             name: name.into(),
             identity: identity.into(),
-            duration: duration.max(Duration::from_secs(2)),
+            // Whole seconds, as the lease says to the standbys.
+            duration: Duration::from_secs(duration.as_secs().max(2)),
         }
     }
 
-    /// Waits until this process holds the lease.
-    pub async fn acquire(&self) {
+    /// Waits until this process holds the lease: returns when the try that took it began
+    /// (no later than the lease's renewTime).
+    pub async fn acquire(&self) -> Instant {
         let mut said = false;
         loop {
-            match self.try_hold().await {
-                Ok(true) => {
+            let began = Instant::now();
+            // A call with no answer is given up, and tried again, like one that failed.
+            match tokio::time::timeout(self.duration / 3, self.try_hold()).await {
+                Ok(Ok(true)) => {
                     info!(lease = %self.name, identity = %self.identity, "became the leader");
-                    return;
+                    return began;
                 }
-                Ok(false) if !said => {
+                Ok(Ok(false)) if !said => {
                     info!(lease = %self.name, "another replica leads; standing by");
                     said = true;
                 }
-                Ok(false) => {}
-                Err(e) => warn!(lease = %self.name, "cannot read the lease: {e}"),
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => warn!(lease = %self.name, "cannot read the lease: {e}"),
+                Err(_) => warn!(
+                    lease = %self.name,
+                    "no answer from the API server within {:?}",
+                    self.duration / 3
+                ),
             }
             tokio::time::sleep(self.duration / 3).await;
         }
     }
 
-    /// Renews the lease; returns once it is lost (another holder, or no renewal for a whole
-    /// duration).
-    pub async fn hold(&self) {
-        let mut renewed = tokio::time::Instant::now();
+    /// How long after a renewal began the holder may go on without another.
+    pub fn renew_deadline(&self) -> Duration {
+        self.duration * 2 / 3
+    }
+
+    /// Renews the lease every third of its duration, `renewed` being when the renewal (or
+    /// the acquisition) that holds it now began; returns once it is lost: another replica
+    /// holds it, or no renewal got through within [`Self::renew_deadline`] of the last one,
+    /// however long the API server takes to answer.
+    pub async fn hold(&self, mut renewed: Instant) {
+        let mut next = renewed + self.duration / 3;
         loop {
-            tokio::time::sleep(self.duration / 3).await;
-            match self.try_hold().await {
-                Ok(true) => renewed = tokio::time::Instant::now(),
-                Ok(false) => {
+            let deadline = renewed + self.renew_deadline();
+            tokio::time::sleep_until(next.min(deadline)).await;
+            let began = Instant::now();
+            match tokio::time::timeout_at(deadline, self.try_hold()).await {
+                Ok(Ok(true)) => {
+                    renewed = began;
+                    next = began + self.duration / 3;
+                    continue;
+                }
+                Ok(Ok(false)) => {
                     warn!(lease = %self.name, "lost the lease to another replica");
                     return;
                 }
-                Err(e) => {
-                    warn!(lease = %self.name, "cannot renew the lease: {e}");
-                    if renewed.elapsed() >= self.duration {
-                        return;
-                    }
-                }
+                Ok(Err(e)) => warn!(lease = %self.name, "cannot renew the lease: {e}"),
+                Err(_) => {}
             }
+            if Instant::now() >= deadline {
+                warn!(
+                    lease = %self.name,
+                    "the lease was not renewed within {:?}: stepping down before a standby may \
+                     take it",
+                    self.renew_deadline()
+                );
+                return;
+            }
+            // A few more tries before the deadline.
+            next = Instant::now() + self.duration / 15;
         }
     }
 
@@ -137,18 +169,21 @@ impl LeaderElection {
     }
 
     /// Gives the lease up (on a clean shutdown), so that a standby need not wait for it to
-    /// expire.
+    /// expire. Not for longer than a third of the lease: then it expires anyway.
     pub async fn release(&self) {
-        if let Ok(Some(mut lease)) = self.api.get_opt(&self.name).await {
-            let spec = lease.spec.get_or_insert_with(Default::default);
-            if spec.holder_identity.as_deref() == Some(self.identity.as_str()) {
-                spec.holder_identity = None;
-                let _ = self
-                    .api
-                    .replace(&self.name, &PostParams::default(), &lease)
-                    .await;
+        let give_up = async {
+            if let Ok(Some(mut lease)) = self.api.get_opt(&self.name).await {
+                let spec = lease.spec.get_or_insert_with(Default::default);
+                if spec.holder_identity.as_deref() == Some(self.identity.as_str()) {
+                    spec.holder_identity = None;
+                    let _ = self
+                        .api
+                        .replace(&self.name, &PostParams::default(), &lease)
+                        .await;
+                }
             }
-        }
+        };
+        let _ = tokio::time::timeout(self.duration / 3, give_up).await;
     }
 }
 
@@ -178,10 +213,10 @@ pub async fn run_as_leader(
         shutdown.await;
         on_shutdown.cancel();
     }));
-    tokio::select! {
-        _ = election.acquire() => {}
+    let acquired = tokio::select! {
+        at = election.acquire() => at,
         _ = stop.cancelled() => return Ended::Shutdown,
-    }
+    };
     ctx.metrics.leader.set(1);
     // The controller and the renewals run in this one task, so that nothing renews the
     // lease once the controller is gone.
@@ -195,11 +230,9 @@ pub async fn run_as_leader(
                 Ended::Failed
             }
         },
-        _ = election.hold() => {
-            stop.cancel();
-            let _ = run.await;
-            Ended::LostLease
-        }
+        // The controller is dropped here, not stopped gracefully: a reconcile still going
+        // (a call, a failover) must not act on once a standby may lead.
+        _ = election.hold(acquired) => Ended::LostLease,
     };
     ctx.metrics.leader.set(0);
     if ended != Ended::LostLease {

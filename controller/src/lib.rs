@@ -16,10 +16,12 @@
 //! - [`scale`]: removing the nodes a smaller `replicas` no longer has (failover first).
 //! - [`status`]: conditions, phase and counts, written with server-side apply.
 //! - [`leader`]: leader election on a Lease.
+//! - [`client`]: the API clients, for calls (with a read timeout) and for watches.
 //! - [`context`], [`error`], [`metrics`], [`objects`] (labels, owner references, apply),
 //!   [`http`] (`/metrics`, `/healthz`, `/readyz`).
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+pub mod client;
 pub mod configmap;
 pub mod context;
 pub mod error;

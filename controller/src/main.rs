@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use prometheus_client::registry::Registry;
+use shardgate_controller::client::ApiTimeouts;
 use shardgate_controller::leader::{run_as_leader, Ended, LeaderElection};
 use shardgate_controller::metrics::Metrics;
 use shardgate_controller::{run, Context, Scope};
@@ -59,6 +60,13 @@ struct Args {
     /// host name and process id).
     #[arg(long, value_name = "ID", env = "POD_NAME")]
     identity: Option<String>,
+
+    /// A call to the API server that gets no byte back for this long fails and is retried
+    /// (on another connection: one that fell silent is not waited on). Watches are renewed
+    /// every twice this long (at most 290s), and one that falls silent is dropped 5s after
+    /// that.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    api_timeout: Duration,
 
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:8080")]
@@ -118,9 +126,15 @@ fn identity(args: &Args) -> String {
 }
 
 async fn main_async(args: Args) -> anyhow::Result<bool> {
-    let client = kube::Client::try_default()
+    let config = kube::Config::infer()
         .await
         .context("no Kubernetes configuration (in-cluster service account or kubeconfig)")?;
+    let url = config.cluster_url.clone();
+    let timeouts = ApiTimeouts::from_call(args.api_timeout);
+    let client = shardgate_controller::client::for_calls(config.clone(), timeouts)
+        .with_context(|| format!("a client for the API server at {url}"))?;
+    let watch_client = shardgate_controller::client::for_watches(config)
+        .with_context(|| format!("a client for the API server at {url}"))?;
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::default().register(&mut registry));
     let http = tokio::spawn(shardgate_controller::http::serve(
@@ -129,6 +143,8 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
     ));
     let id = identity(&args);
     let mut ctx = Context::new(client.clone(), metrics.clone(), Some(id.clone()));
+    ctx.watch_client = watch_client;
+    ctx.api_timeouts = timeouts;
     ctx.proxy_image = args.proxy_image.clone();
     let ctx = Arc::new(ctx);
     let scope = Scope {

@@ -523,26 +523,26 @@ pub async fn run(
         gateway_api: gateway_api.clone(),
         ..(*ctx).clone()
     });
-    let managed = watcher::Config::default().labels(&format!(
+    // Renewed often enough that one fallen silent is found (crate::client).
+    let watch_config = watcher::Config::default().timeout(ctx.api_timeouts.watch_secs());
+    let managed = watch_config.clone().labels(&format!(
         "{}={}",
         labels::MANAGED_BY,
         labels::MANAGED_BY_VALUE
     ));
-    let mut controller = Controller::new(
-        scope.api::<ValkeyCluster>(&client),
-        watcher::Config::default(),
-    )
-    .owns(scope.api::<StatefulSet>(&client), managed.clone())
-    .owns(scope.api::<ConfigMap>(&client), managed.clone())
-    .owns(scope.api::<Service>(&client), managed.clone())
-    // Proxy mode: the proxy's ready pods are in status.
-    .owns(scope.api::<Deployment>(&client), managed.clone())
-    // Pods belong to the StatefulSets; their readiness and IPs matter to formation.
-    .watches(scope.api::<Pod>(&client), managed.clone(), |pod: Pod| {
-        let ns = pod.namespace()?;
-        let cluster = pod.labels().get(labels::INSTANCE)?.clone();
-        Some(ObjectRef::<ValkeyCluster>::new(&cluster).within(&ns))
-    });
+    let client = ctx.watch_client.clone();
+    let mut controller = Controller::new(scope.api::<ValkeyCluster>(&client), watch_config.clone())
+        .owns(scope.api::<StatefulSet>(&client), managed.clone())
+        .owns(scope.api::<ConfigMap>(&client), managed.clone())
+        .owns(scope.api::<Service>(&client), managed.clone())
+        // Proxy mode: the proxy's ready pods are in status.
+        .owns(scope.api::<Deployment>(&client), managed.clone())
+        // Pods belong to the StatefulSets; their readiness and IPs matter to formation.
+        .watches(scope.api::<Pod>(&client), managed.clone(), |pod: Pod| {
+            let ns = pod.namespace()?;
+            let cluster = pod.labels().get(labels::INSTANCE)?.clone();
+            Some(ObjectRef::<ValkeyCluster>::new(&cluster).within(&ns))
+        });
     if gateway_api.served() {
         // A route's acceptance, and a Gateway's listeners and address, are in status.
         let clusters = controller.store();
@@ -550,7 +550,7 @@ pub async fn run(
             .owns(scope.api::<TcpRoute>(&client), managed)
             .watches(
                 scope.api::<Gateway>(&client),
-                watcher::Config::default(),
+                watch_config,
                 move |gw: Gateway| {
                     let ns = gw.namespace();
                     let name = gw.name_any();

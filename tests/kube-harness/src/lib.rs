@@ -16,10 +16,13 @@
 //!   own namespace, torn down when they are done (also when one fails or panics).
 //! - [`process`]: the daemons and containers as child processes with their logs; processes
 //!   of a test process that died are reaped by the next run.
+//! - [`ApiRelay`] (`api_relay`): a relay in front of the API server that can fall silent,
+//!   for clients under test.
 //! - [`traefik`]: [`Traefik`], a real Gateway API data plane (Traefik's Kubernetes Gateway
 //!   provider, built by `scripts/setup-traefik`) on a loopback IP, against the control plane.
 
 pub mod agent;
+mod api_relay;
 mod control_plane;
 mod crds;
 mod pki;
@@ -28,6 +31,7 @@ mod suite;
 pub mod traefik;
 
 pub use agent::{Fault, NodeAgent, NODE_NAME};
+pub use api_relay::ApiRelay;
 pub use control_plane::{gateway_api_crds_dir, yaml_files_in, ControlPlane, Options};
 pub use crds::FIELD_MANAGER;
 pub use suite::{Suite, TestEnv};

@@ -1116,11 +1116,12 @@ async fn chart_renders_the_plain_manifests(_env: TestEnv) -> Result<()> {
         "custom values: {args:?}, {:?}",
         custom.keys()
     );
-    let lease = rendered(&["--set", "leaderElection.leaseDuration=30s"])?;
+    let lease = rendered(&["--set", "leaderElection.leaseDuration=30s,apiTimeout=10s"])?;
     let args = check_deployment(the(&lease, "Deployment")?)?;
     ensure!(
-        args.windows(2).any(|w| w == ["--lease-duration", "30s"]),
-        "leaderElection.leaseDuration: {args:?}"
+        args.windows(2).any(|w| w == ["--lease-duration", "30s"])
+            && args.windows(2).any(|w| w == ["--api-timeout", "10s"]),
+        "leaderElection.leaseDuration, apiTimeout: {args:?}"
     );
     let err = render(
         RELEASE,

@@ -19,7 +19,7 @@ use shardgate_crds::names::{labels, objects};
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 use shardgate_harness::clients::spread_keys;
-use shardgate_kube_harness::{Fault, TestEnv};
+use shardgate_kube_harness::{ApiRelay, Fault, TestEnv};
 use shardgate_operator_e2e::external::{
     bootstrap_seeds, cluster, external_cluster, external_services, failovers_under_load,
     only_external_addresses, redis_cli_set_get, slot_addresses, views, wait_external_ready, writer,
@@ -59,6 +59,14 @@ fn main() -> ExitCode {
         .test(
             "only_the_leader_reconciles_and_a_standby_takes_over",
             leader_election,
+        )
+        .test(
+            "a_leader_cut_off_from_the_api_server_steps_down_before_a_standby_takes_over",
+            leader_cut_off,
+        )
+        .test(
+            "silent_api_connections_stall_the_operator_for_seconds_not_minutes",
+            silent_api_connections,
         )
         .test(
             "a_spec_the_operator_cannot_act_on_reads_failed_until_it_is_fixed",
@@ -572,33 +580,54 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
     Ok(())
 }
 
-async fn leader_election(env: TestEnv) -> Result<()> {
+/// Metrics, for a new operator's context.
+fn operator_metrics() -> std::sync::Arc<shardgate_controller::metrics::Metrics> {
+    std::sync::Arc::new(
+        shardgate_controller::metrics::Metrics::default()
+            .register(&mut prometheus_client::registry::Registry::default()),
+    )
+}
+
+/// An operator replica `id` contending for the Lease of `ns` (as the binary runs with
+/// --leader-election) with `client`: its metrics, and its run, which tells how it ended
+/// and when.
+fn contender(
+    client: &Client,
+    ns: &str,
+    id: &str,
+    lease: Duration,
+) -> (
+    std::sync::Arc<shardgate_controller::metrics::Metrics>,
+    tokio::task::JoinHandle<(shardgate_controller::leader::Ended, std::time::SystemTime)>,
+) {
     use shardgate_controller::leader::{run_as_leader, LeaderElection};
+    let metrics = operator_metrics();
+    let ctx = std::sync::Arc::new(shardgate_controller::Context::new(
+        client.clone(),
+        metrics.clone(),
+        Some(id.into()),
+    ));
+    let election = std::sync::Arc::new(LeaderElection::new(
+        client.clone(),
+        ns,
+        "shardgate-operator",
+        id,
+        lease,
+    ));
+    let scope = shardgate_controller::Scope {
+        namespace: Some(ns.into()),
+    };
+    let task = tokio::spawn(async move {
+        let ended = run_as_leader(election, ctx, scope, std::future::pending()).await;
+        (ended, std::time::SystemTime::now())
+    });
+    (metrics, task)
+}
+
+async fn leader_election(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, .. } = env;
     let lease = Duration::from_secs(3);
-    let start = |id: &str| {
-        let metrics = std::sync::Arc::new(
-            shardgate_controller::metrics::Metrics::default()
-                .register(&mut prometheus_client::registry::Registry::default()),
-        );
-        let ctx = std::sync::Arc::new(shardgate_controller::Context::new(
-            client.clone(),
-            metrics.clone(),
-            Some(id.into()),
-        ));
-        let election = std::sync::Arc::new(LeaderElection::new(
-            client.clone(),
-            &ns,
-            "shardgate-operator",
-            id,
-            lease,
-        ));
-        let scope = shardgate_controller::Scope {
-            namespace: Some(ns.clone()),
-        };
-        let task = tokio::spawn(run_as_leader(election, ctx, scope, std::future::pending()));
-        (metrics, task)
-    };
+    let start = |id: &str| contender(&client, &ns, id, lease);
     let (first, first_task) = start("first");
     eventually(
         "the first replica leads",
@@ -680,6 +709,148 @@ async fn leader_election(env: TestEnv) -> Result<()> {
         killed.elapsed()
     );
     second_task.abort();
+    Ok(())
+}
+
+/// The leader's connections to the API server fall silent, new ones too (its node cut off
+/// without a reset). Its client is the binary's, whose calls time out after 30 s, ten times
+/// the lease: the leader steps down by its renew deadline all the same, and before the
+/// standby takes the lease over, by the Lease's own acquireTime. Two leaders never overlap.
+async fn leader_cut_off(env: TestEnv) -> Result<()> {
+    use shardgate_controller::client::{for_calls, ApiTimeouts};
+    use shardgate_controller::leader::Ended;
+    let TestEnv { client, ns, cp } = env;
+    let relay = ApiRelay::start(cp.api_addr()).await?;
+    let cut_off = for_calls(relay.kube_config(&cp)?, ApiTimeouts::default())?;
+    let lease = Duration::from_secs(3);
+    let (first, first_task) = contender(&cut_off, &ns, "first", lease);
+    eventually(
+        "the first replica leads",
+        Duration::from_secs(30),
+        || async {
+            ensure!(first.leader.get() == 1);
+            Ok(())
+        },
+    )
+    .await?;
+    let (second, second_task) = contender(&client, &ns, "second", lease);
+    // Something to reconcile while it is cut off.
+    create(&client, &ns, &cluster("vc", 1, 0)?).await?;
+    eventually("the leader reconciles", Duration::from_secs(30), || async {
+        ensure!(first.reconciles.get() > 0);
+        Ok(())
+    })
+    .await?;
+    relay.go_silent();
+    let cut = Instant::now();
+    let (ended, stepped_down) = tokio::time::timeout(Duration::from_secs(20), first_task)
+        .await
+        .context("the leader cut off from the API server still leads after 20 s")??;
+    ensure!(
+        ended == Ended::LostLease,
+        "the cut-off leader's run ended {ended:?}"
+    );
+    ensure!(
+        first.leader.get() == 0,
+        "the cut-off leader still says it leads"
+    );
+    eprintln!(
+        "the cut-off leader stepped down {:?} after the cut",
+        cut.elapsed()
+    );
+    eventually("the standby leads", Duration::from_secs(60), || async {
+        ensure!(second.leader.get() == 1);
+        Ok(())
+    })
+    .await?;
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), &ns);
+    let spec = leases
+        .get("shardgate-operator")
+        .await?
+        .spec
+        .context("a Lease without spec")?;
+    ensure!(
+        spec.holder_identity.as_deref() == Some("second"),
+        "held by {:?}",
+        spec.holder_identity
+    );
+    let taken = spec.acquire_time.context("a Lease without acquireTime")?.0;
+    let down = k8s_openapi::jiff::Timestamp::try_from(stepped_down)?;
+    ensure!(
+        down < taken,
+        "the cut-off leader stepped down at {down}, after the standby took the lease at {taken}"
+    );
+    eprintln!("the standby took the lease {} after", taken - down);
+    second_task.abort();
+    Ok(())
+}
+
+/// The operator's connections to the API server fall silent (new ones get through): with
+/// `--api-timeout 2s`, a cluster made after that is acted on within seconds, the silent
+/// watch dropped and the silent calls given up, where kube's defaults would wait out a
+/// watch for 295 s and a call for ever.
+async fn silent_api_connections(env: TestEnv) -> Result<()> {
+    use shardgate_controller::client::{for_calls, for_watches, ApiTimeouts};
+    let TestEnv { client, ns, cp } = env;
+    let relay = ApiRelay::start(cp.api_addr()).await?;
+    let config = relay.kube_config(&cp)?;
+    let timeouts = ApiTimeouts::from_call(Duration::from_secs(2));
+    let mut ctx = shardgate_controller::Context::new(
+        for_calls(config.clone(), timeouts)?,
+        operator_metrics(),
+        Some("relayed".into()),
+    );
+    ctx.watch_client = for_watches(config)?;
+    ctx.api_timeouts = timeouts;
+    let scope = shardgate_controller::Scope {
+        namespace: Some(ns.clone()),
+    };
+    let operator = tokio::spawn(shardgate_controller::run(
+        std::sync::Arc::new(ctx),
+        scope,
+        std::future::pending(),
+    ));
+    let children = |name: &'static str| {
+        let (client, ns) = (client.clone(), ns.clone());
+        move || {
+            let (client, ns) = (client.clone(), ns.clone());
+            async move {
+                let made = child_versions(&client, &ns, name).await?;
+                ensure!(made.len() >= 3, "children of {name}: {made:?}");
+                Ok(())
+            }
+        }
+    };
+    create(&client, &ns, &cluster("before", 1, 0)?).await?;
+    eventually(
+        "the operator makes a cluster's children through the relay",
+        Duration::from_secs(60),
+        children("before"),
+    )
+    .await?;
+    relay.silence_open_connections();
+    let silenced = relay.accepted();
+    let at = Instant::now();
+    create(&client, &ns, &cluster("after", 1, 0)?).await?;
+    eventually(
+        "the operator makes the children of a cluster made once its connections fell silent",
+        Duration::from_secs(60),
+        children("after"),
+    )
+    .await?;
+    let took = at.elapsed();
+    ensure!(
+        relay.accepted() > silenced,
+        "acted on without a new connection: the connections did not fall silent"
+    );
+    eprintln!("a cluster made after the connections fell silent was acted on in {took:?}");
+    // The watch, renewed every 4 s, is dropped 5 s past that; calls give up after 2 s.
+    ensure!(
+        took < Duration::from_secs(30),
+        "acted on only after {took:?}"
+    );
+    operator.abort();
     Ok(())
 }
 
