@@ -1,6 +1,7 @@
-//! A relay in front of the API server that can fall silent, as connections do when the API
-//! server's node goes away without a reset: nothing is closed, no byte comes back. Clients
-//! under test are pointed at it ([`ApiRelay::kube_config`]).
+//! A relay in front of the API server that the test can cut (the API server unreachable:
+//! connections closed, new ones closed at once) or make fall silent, as connections do when
+//! the API server's node goes away without a reset (nothing is closed, no byte comes back).
+//! Clients under test are pointed at it ([`ApiRelay::kube_config`], [`ApiRelay::addr`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use anyhow::{Context as _, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::ControlPlane;
@@ -17,6 +19,8 @@ use crate::ControlPlane;
 pub struct ApiRelay {
     addr: SocketAddr,
     state: Arc<State>,
+    /// Whether it relays at all ([`ApiRelay::cut`], [`ApiRelay::restore`]).
+    open: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -46,19 +50,50 @@ impl ApiRelay {
         let addr = listener.local_addr()?;
         let state = Arc::new(State::default());
         let shared = state.clone();
+        let (open, is_open) = watch::channel(true);
         let accept = tokio::spawn(async move {
             // Dropped with the accept task: every connection ends with the relay.
             let mut connections = JoinSet::new();
             while let Ok((inbound, _)) = listener.accept().await {
                 let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
-                connections.spawn(relay(inbound, api, id, shared.clone()));
+                if !*is_open.borrow() {
+                    // Cut: closed at once.
+                    continue;
+                }
+                let mut cut = is_open.clone();
+                let relayed = relay(inbound, api, id, shared.clone());
+                connections.spawn(async move {
+                    tokio::select! {
+                        _ = relayed => {}
+                        _ = cut.wait_for(|open| !*open) => {}
+                    }
+                });
+                // Finished connections are not kept.
+                while connections.try_join_next().is_some() {}
             }
         });
         Ok(ApiRelay {
             addr,
             state,
+            open,
             accept,
         })
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Closes every relayed connection, and closes new ones at once, until
+    /// [`ApiRelay::restore`]: the API server unreachable.
+    pub fn cut(&self) {
+        self.open.send_replace(false);
+    }
+
+    /// Relays new connections again after [`ApiRelay::cut`].
+    pub fn restore(&self) {
+        self.open.send_replace(true);
     }
 
     /// `cp`'s admin configuration, through this relay.

@@ -8,7 +8,7 @@
 //! ([`shardgate_operator_e2e::proxy_binary`]).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -28,13 +28,11 @@ use shardgate_crds::NodeRef;
 use shardgate_harness::clients::spread_keys;
 use shardgate_harness::http::metric;
 use shardgate_harness::proxy_process::ProxyProcess;
-use shardgate_kube_harness::{free_loopback_ip, Fault, TestEnv};
+use shardgate_kube_harness::{free_loopback_ip, ApiRelay, Fault, TestEnv};
 use shardgate_operator_e2e::external::{cluster, slot_addresses, topology_names_only, views, FORM};
 use shardgate_operator_e2e::{
     cluster_client, create, eventually, pod_addrs, proxy_binary, wait_ready, Operator,
 };
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 /// The proxy's first listener port, and ports per shard (a 3 x 1 cluster: 30000..=30005).
 const BASE: u16 = 30000;
@@ -65,58 +63,6 @@ fn main() -> ExitCode {
             follows_pods,
         )
         .run()
-}
-
-/// A TCP relay to the API server that the test can cut (relayed connections closed, new
-/// ones accepted and closed at once: the API server unreachable) and restore.
-struct Relay {
-    addr: SocketAddr,
-    open: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Relay {
-    async fn start(upstream: SocketAddr) -> Result<Relay> {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-        let addr = listener.local_addr()?;
-        let (open, rx) = watch::channel(true);
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((mut down, _)) = listener.accept().await else {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                };
-                if !*rx.borrow() {
-                    continue;
-                }
-                let mut cut = rx.clone();
-                tokio::spawn(async move {
-                    let Ok(mut up) = TcpStream::connect(upstream).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut down, &mut up) => {}
-                        _ = cut.wait_for(|open| !*open) => {}
-                    }
-                });
-            }
-        });
-        Ok(Relay { addr, open, task })
-    }
-
-    fn cut(&self) {
-        self.open.send_replace(false);
-    }
-
-    fn restore(&self) {
-        self.open.send_replace(true);
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }
 
 /// `GET path` on an admin address, off the runtime's threads (the helper blocks).
@@ -329,7 +275,7 @@ async fn follows_pods(env: TestEnv) -> Result<()> {
 
     // The API server behind a relay, cut from the start: the proxy is not ready before its
     // first table.
-    let relay = Relay::start(env.cp.api_addr()).await?;
+    let relay = ApiRelay::start(env.cp.api_addr()).await?;
     relay.cut();
     let kubeconfig: PathBuf = env.cp.root().join(format!("{}-proxy.kubeconfig", env.ns));
     let text = std::fs::read_to_string(env.cp.kubeconfig())?;
@@ -340,7 +286,7 @@ async fn follows_pods(env: TestEnv) -> Result<()> {
     );
     std::fs::write(
         &kubeconfig,
-        text.replace(&api, &format!("https://{}", relay.addr)),
+        text.replace(&api, &format!("https://{}", relay.addr())),
     )?;
     let mut ports: Vec<u16> = (BASE..BASE + 3 * PORTS_PER_SHARD).collect();
     ports.push(ADMIN_PORT);
@@ -385,7 +331,7 @@ async fn follows_pods(env: TestEnv) -> Result<()> {
 
 async fn through_the_proxy(
     env: &TestEnv,
-    relay: &Relay,
+    relay: &ApiRelay,
     ip: IpAddr,
     admin: SocketAddr,
 ) -> Result<()> {
