@@ -5,7 +5,9 @@
 //!   and the reconcile is retried on another connection;
 //! - watches are long polls with no byte for minutes when nothing changes, so they cannot
 //!   have that timeout: instead the API server is asked to end each one after
-//!   [`ApiTimeouts::watch`], and kube's watcher drops one that runs 5 s past it.
+//!   [`ApiTimeouts::watch`], and kube's watcher drops one that runs 5 s past it. The
+//!   watches' client reads with a timeout 10 s past that, for the lists and the requests
+//!   that open a watch, which the watcher's own check does not cover.
 //!
 //! kube's own defaults would leave a call with no timeout at all, and a watch silent for
 //! 295 s.
@@ -19,7 +21,8 @@ use kube::Client;
 pub struct ApiTimeouts {
     /// A call with no byte from the API server for this long fails.
     pub call: Duration,
-    /// Each watch is renewed this often (whole seconds, at least 1, at most 290).
+    /// Each watch is renewed this often (as whole seconds, at least 1, at most 290:
+    /// [`ApiTimeouts::watch_secs`]).
     pub watch: Duration,
 }
 
@@ -40,6 +43,11 @@ impl ApiTimeouts {
             .unwrap_or(u32::MAX)
             .clamp(1, 290)
     }
+
+    /// The watches' client's read timeout: past the end of any watch.
+    pub fn watch_read(&self) -> Duration {
+        Duration::from_secs(u64::from(self.watch_secs()) + 10)
+    }
 }
 
 impl Default for ApiTimeouts {
@@ -54,8 +62,10 @@ pub fn for_calls(mut config: kube::Config, timeouts: ApiTimeouts) -> Result<Clie
     Client::try_from(config)
 }
 
-/// The client for watches: `config` as it is (no read timeout; see the module).
-pub fn for_watches(config: kube::Config) -> Result<Client, kube::Error> {
+/// The client for watches: `config` with a read timeout 10 s past the time the API server
+/// ends a watch in (see the module).
+pub fn for_watches(mut config: kube::Config, timeouts: ApiTimeouts) -> Result<Client, kube::Error> {
+    config.read_timeout = Some(timeouts.watch_read());
     Client::try_from(config)
 }
 
@@ -70,6 +80,9 @@ mod tests {
         assert_eq!(secs(2_000), 4);
         assert_eq!(secs(100), 1);
         assert_eq!(secs(3_600_000), 290);
+        let read = |call| ApiTimeouts::from_call(Duration::from_secs(call)).watch_read();
+        assert_eq!(read(30), Duration::from_secs(70));
+        assert_eq!(read(3_600), Duration::from_secs(300));
         assert_eq!(ApiTimeouts::default().call, Duration::from_secs(30));
     }
 }

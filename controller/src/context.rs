@@ -21,7 +21,8 @@ pub const DEFAULT_PROXY_IMAGE: &str = "ghcr.io/shardgate/shardgate-proxy:0.1.0";
 pub struct Context {
     /// For calls ([`crate::client::for_calls`]).
     pub client: Client,
-    /// For the controller's watches ([`crate::client::for_watches`]).
+    /// For the controller's watches ([`crate::client::for_watches`]); [`Context::new`] sets
+    /// the calls' client here too.
     pub watch_client: Client,
     /// How often the watches are renewed ([`crate::client`]).
     pub api_timeouts: ApiTimeouts,

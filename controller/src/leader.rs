@@ -2,9 +2,10 @@
 //! run and only one reconciles. The holder renews the lease every third of its duration; a
 //! standby takes it over once it has not been renewed for a whole duration. A holder that
 //! has not renewed within two thirds of the duration stops reconciling at once, a call the
-//! API server does not answer included: the last third is the margin for a standby whose
-//! clock runs ahead. Its reconciles still going are dropped, not waited for (as a crash
-//! would), and the process exits; its Deployment restarts it as a standby.
+//! API server does not answer included: the last third is the margin for the two
+//! replicas' clocks to differ (the holder's writes renewTime, the standby's reads it). Its
+//! reconciles still going are dropped, not waited for (as a crash would), and the process
+//! exits; its Deployment restarts it as a standby.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -88,7 +89,10 @@ impl LeaderElection {
             let deadline = renewed + self.renew_deadline();
             tokio::time::sleep_until(next.min(deadline)).await;
             let began = Instant::now();
-            match tokio::time::timeout_at(deadline, self.try_hold()).await {
+            // One try does not take the whole window (a call stuck on a connection gone
+            // silent): a sixth of the lease, at least a second.
+            let give_up = deadline.min(began + (self.duration / 6).max(Duration::from_secs(1)));
+            match tokio::time::timeout_at(give_up, self.try_hold()).await {
                 Ok(Ok(true)) => {
                     renewed = began;
                     next = began + self.duration / 3;

@@ -63,9 +63,9 @@ struct Args {
 
     /// A call to the API server that gets no byte back for this long fails and is retried
     /// (on another connection: one that fell silent is not waited on). Watches are renewed
-    /// every twice this long (at most 290s), and one that falls silent is dropped 5s after
-    /// that.
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    /// every twice this long (at most 290s): one that falls silent is dropped 5s after that,
+    /// and a list or a request opening a watch gives up 10s after that.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = non_zero_duration)]
     api_timeout: Duration,
 
     /// Address of /metrics, /healthz and /readyz.
@@ -80,6 +80,15 @@ struct Args {
     /// (`externalAccess.mode: proxy`), unless a cluster sets `proxy.image`.
     #[arg(long, value_name = "IMAGE", env = "SHARDGATE_PROXY_IMAGE", default_value = shardgate_controller::context::DEFAULT_PROXY_IMAGE)]
     proxy_image: String,
+}
+
+/// A duration above zero (a zero read timeout would fail every call).
+fn non_zero_duration(s: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if d.is_zero() => Err("must be more than 0".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -133,7 +142,7 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
     let timeouts = ApiTimeouts::from_call(args.api_timeout);
     let client = shardgate_controller::client::for_calls(config.clone(), timeouts)
         .with_context(|| format!("a client for the API server at {url}"))?;
-    let watch_client = shardgate_controller::client::for_watches(config)
+    let watch_client = shardgate_controller::client::for_watches(config, timeouts)
         .with_context(|| format!("a client for the API server at {url}"))?;
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::default().register(&mut registry));

@@ -173,7 +173,7 @@ pub struct ProxySettings {
     pub max_connections: usize,
 
     /// Close a connection after this long without a byte either way (looked at every eighth
-    /// of it, so up to an eighth later); 0 never.
+    /// of it, at least every millisecond, so up to that much later); 0 never.
     #[arg(long, value_name = "DURATION", default_value_t = human(defaults::IDLE_TIMEOUT))]
     #[serde(serialize_with = "display")]
     pub idle_timeout: humantime::Duration,

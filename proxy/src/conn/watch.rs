@@ -239,9 +239,10 @@ mod tests {
     /// and at most an eighth of it more (the timer looks an eighth apart).
     #[tokio::test(start_paused = true)]
     async fn activity_pushes_the_idle_timeout_back() {
-        // Last moves at every phase of the timer's looks (625 ms apart), and on one.
-        for step in 0..=16u64 {
-            let gap = Duration::from_millis(3000 + 77 * step);
+        // Last moves at every phase of the timer's looks (625 ms apart), and on one (3 x
+        // 3,125 ms: the copy, polled first, moves bytes as the timer fires).
+        let gaps = (0..=16u64).map(|step| 3000 + 77 * step).chain([3125]);
+        for gap in gaps.map(Duration::from_millis) {
             let (stop, clock) = (HardStop::default(), Activity::new());
             let started = Instant::now();
             let copy = async {
@@ -258,6 +259,34 @@ mod tests {
                 "closed {quiet:?} after the last bytes moved, timeout {IDLE:?}"
             );
         }
+    }
+
+    /// Timeouts at the edges: below eight timer ticks the timer still looks once a tick (a
+    /// quiet copy closes at the timeout, not sooner, at most a millisecond later); one too
+    /// large to add to an instant twice means no timer.
+    #[tokio::test(start_paused = true)]
+    async fn tiny_and_huge_timeouts() {
+        for ms in [1, 4, 7] {
+            let (stop, clock) = (HardStop::default(), Activity::new());
+            let timeout = Duration::from_millis(ms);
+            let started = Instant::now();
+            let w = watch(std::future::pending::<()>(), &stop, &clock, Some(timeout));
+            assert_eq!(w.await, Watched::Idle);
+            let took = started.elapsed();
+            assert!(
+                took >= timeout && took <= timeout + Duration::from_millis(1),
+                "a {timeout:?} timeout closed after {took:?}"
+            );
+        }
+        assert!(Idle::new(Duration::MAX, Instant::now()).is_none());
+        assert!(Idle::new(Duration::from_secs(u64::MAX / 4), Instant::now()).is_none());
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        let copy = async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            "done"
+        };
+        let r = watch(copy, &stop, &clock, Some(Duration::MAX)).await;
+        assert_eq!(r, Watched::Done("done"));
     }
 
     /// A copy that moves bytes more often than the timeout never idles out, however its

@@ -105,8 +105,10 @@ impl Shared {
 /// Client → server.
 pub struct RequestSide {
     scanner: RequestScanner,
-    /// The queue was short enough to read more when the last commands were noted. Only
-    /// this side lengthens it, so it still is: no lock to look again (a lock per read).
+    /// The queue was short enough to read more when the last commands were noted. It is
+    /// still (no lock to look again: a lock per read), but for one entry: this side
+    /// lengthens the queue, the reply side only by the one it splits off a run of
+    /// subscribe commands, and the bound is soft anyway (one read adds many entries).
     room: bool,
 }
 

@@ -32,6 +32,8 @@ struct State {
     silent_below: AtomicU64,
     /// No connection relays anything more, new ones included.
     all_silent: AtomicBool,
+    /// Bytes read on silent connections and dropped, both ways.
+    swallowed: AtomicU64,
 }
 
 impl State {
@@ -121,6 +123,12 @@ impl ApiRelay {
     pub fn accepted(&self) -> u64 {
         self.state.accepted.load(Ordering::SeqCst)
     }
+
+    /// Bytes that came on silent connections, either way, and were dropped: that a silence
+    /// was met, not only set.
+    pub fn swallowed(&self) -> u64 {
+        self.state.swallowed.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for ApiRelay {
@@ -132,7 +140,7 @@ impl Drop for ApiRelay {
 async fn relay(inbound: TcpStream, api: SocketAddr, id: u64, state: Arc<State>) {
     if state.silent(id) {
         // Accepted (as a gone host's address would not be), then never answered.
-        return swallow(inbound).await;
+        return swallow(inbound, &state).await;
     }
     let Ok(outbound) = TcpStream::connect(api).await else {
         return;
@@ -156,6 +164,7 @@ async fn copy(
             Ok(n) => n,
         };
         if state.silent(id) {
+            state.swallowed.fetch_add(n as u64, Ordering::SeqCst);
             continue;
         }
         if to.write_all(&buf[..n]).await.is_err() {
@@ -170,12 +179,13 @@ async fn copy(
     }
 }
 
-async fn swallow(mut inbound: TcpStream) {
+async fn swallow(mut inbound: TcpStream, state: &State) {
     let mut buf = vec![0u8; 16 * 1024];
     while let Ok(n) = inbound.read(&mut buf).await {
         if n == 0 {
             break;
         }
+        state.swallowed.fetch_add(n as u64, Ordering::SeqCst);
     }
     // Not closed: a gone host sends no FIN.
     std::future::pending::<()>().await;

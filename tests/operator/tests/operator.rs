@@ -713,16 +713,18 @@ async fn leader_election(env: TestEnv) -> Result<()> {
 }
 
 /// The leader's connections to the API server fall silent, new ones too (its node cut off
-/// without a reset). Its client is the binary's, whose calls time out after 30 s, ten times
-/// the lease: the leader steps down by its renew deadline all the same, and before the
-/// standby takes the lease over, by the Lease's own acquireTime. Two leaders never overlap.
+/// without a reset). Its client is the binary's, whose calls time out after 30 s: the
+/// leader steps down by its renew deadline all the same (a hung renewal does not hold it),
+/// its reconcile stuck on a call dropped rather than waited for, and before the standby
+/// takes the lease over, by the Lease's own acquireTime.
 async fn leader_cut_off(env: TestEnv) -> Result<()> {
     use shardgate_controller::client::{for_calls, ApiTimeouts};
     use shardgate_controller::leader::Ended;
     let TestEnv { client, ns, cp } = env;
     let relay = ApiRelay::start(cp.api_addr()).await?;
     let cut_off = for_calls(relay.kube_config(&cp)?, ApiTimeouts::default())?;
-    let lease = Duration::from_secs(3);
+    // Its deadline 8 s after a renewal, which comes every 4 s: at least 4 s after the cut.
+    let lease = Duration::from_secs(12);
     let (first, first_task) = contender(&cut_off, &ns, "first", lease);
     eventually(
         "the first replica leads",
@@ -734,12 +736,20 @@ async fn leader_cut_off(env: TestEnv) -> Result<()> {
     )
     .await?;
     let (second, second_task) = contender(&client, &ns, "second", lease);
-    // Something to reconcile while it is cut off.
-    create(&client, &ns, &cluster("vc", 1, 0)?).await?;
-    eventually("the leader reconciles", Duration::from_secs(30), || async {
-        ensure!(first.reconciles.get() > 0);
-        Ok(())
-    })
+    // A cluster whose pod never starts, looked at every 3 s while it waits: at the step-down,
+    // at least 4 s after the cut, a reconcile is stuck on a call (30 s), one that was going
+    // at the cut or began since.
+    let mut vc = cluster("vc", 1, 0)?;
+    vc.spec.image = "registry.invalid/no-such-image:9.1".into();
+    create(&client, &ns, &vc).await?;
+    eventually(
+        "the leader looks again",
+        Duration::from_secs(30),
+        || async {
+            ensure!(first.reconciles.get() >= 2);
+            Ok(())
+        },
+    )
     .await?;
     relay.go_silent();
     let cut = Instant::now();
@@ -754,9 +764,13 @@ async fn leader_cut_off(env: TestEnv) -> Result<()> {
         first.leader.get() == 0,
         "the cut-off leader still says it leads"
     );
-    eprintln!(
-        "the cut-off leader stepped down {:?} after the cut",
-        cut.elapsed()
+    // By the deadline (8 s after the last renewal, which came before the cut), not once
+    // the stuck reconcile's call gives up.
+    let took = cut.elapsed();
+    eprintln!("the cut-off leader stepped down {took:?} after the cut");
+    ensure!(
+        took < Duration::from_secs(10),
+        "the cut-off leader stepped down {took:?} after the cut, past its deadline"
     );
     eventually("the standby leads", Duration::from_secs(60), || async {
         ensure!(second.leader.get() == 1);
@@ -796,12 +810,54 @@ async fn silent_api_connections(env: TestEnv) -> Result<()> {
     let relay = ApiRelay::start(cp.api_addr()).await?;
     let config = relay.kube_config(&cp)?;
     let timeouts = ApiTimeouts::from_call(Duration::from_secs(2));
+
+    // Each of the operator's two clients, one connection each, then silent: a call gives up
+    // after 2 s, a list on the watches' client 10 s past the 4 s a watch lasts.
+    let clients = [
+        ("calls", for_calls(config.clone(), timeouts)?, 2),
+        ("watches", for_watches(config.clone(), timeouts)?, 14),
+    ];
+    for (_, client, _) in &clients {
+        Api::<ConfigMap>::namespaced(client.clone(), &ns)
+            .list(&ListParams::default())
+            .await?;
+    }
+    relay.silence_open_connections();
+    let (accepted, swallowed) = (relay.accepted(), relay.swallowed());
+    let list = |(what, client, secs): &(&str, Client, u64)| {
+        let (what, client, bound) = (what.to_string(), client.clone(), Duration::from_secs(*secs));
+        let ns = ns.clone();
+        async move {
+            let at = Instant::now();
+            let listed = tokio::time::timeout(
+                bound + Duration::from_secs(10),
+                Api::<ConfigMap>::namespaced(client, &ns).list(&ListParams::default()),
+            )
+            .await;
+            let took = at.elapsed();
+            // The timer's millisecond may end a little early.
+            ensure!(
+                matches!(listed, Ok(Err(_))) && took >= bound.mul_f64(0.95),
+                "a list on the {what} client over a silent connection: {listed:?} after \
+                 {took:?}, not an error after {bound:?}"
+            );
+            Ok(())
+        }
+    };
+    let (calls, watches) = tokio::join!(list(&clients[0]), list(&clients[1]));
+    calls?;
+    watches?;
+    ensure!(
+        relay.accepted() == accepted && relay.swallowed() > swallowed,
+        "the lists did not go out on the silent connections"
+    );
+
     let mut ctx = shardgate_controller::Context::new(
         for_calls(config.clone(), timeouts)?,
         operator_metrics(),
         Some("relayed".into()),
     );
-    ctx.watch_client = for_watches(config)?;
+    ctx.watch_client = for_watches(config.clone(), timeouts)?;
     ctx.api_timeouts = timeouts;
     let scope = shardgate_controller::Scope {
         namespace: Some(ns.clone()),
@@ -830,7 +886,7 @@ async fn silent_api_connections(env: TestEnv) -> Result<()> {
     )
     .await?;
     relay.silence_open_connections();
-    let silenced = relay.accepted();
+    let swallowed = relay.swallowed();
     let at = Instant::now();
     create(&client, &ns, &cluster("after", 1, 0)?).await?;
     eventually(
@@ -841,8 +897,8 @@ async fn silent_api_connections(env: TestEnv) -> Result<()> {
     .await?;
     let took = at.elapsed();
     ensure!(
-        relay.accepted() > silenced,
-        "acted on without a new connection: the connections did not fall silent"
+        relay.swallowed() > swallowed,
+        "nothing met the silence: the operator's connections did not fall silent"
     );
     eprintln!("a cluster made after the connections fell silent was acted on in {took:?}");
     // The watch, renewed every 4 s, is dropped 5 s past that; calls give up after 2 s.
