@@ -624,20 +624,25 @@ fn contender(
     (metrics, task)
 }
 
+/// Waits until the replica with `metrics` leads.
+async fn leads(
+    metrics: &shardgate_controller::metrics::Metrics,
+    who: &str,
+    within: Duration,
+) -> Result<()> {
+    eventually(&format!("{who} leads"), within, || async {
+        ensure!(metrics.leader.get() == 1);
+        Ok(())
+    })
+    .await
+}
+
 async fn leader_election(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, .. } = env;
     let lease = Duration::from_secs(3);
     let start = |id: &str| contender(&client, &ns, id, lease);
     let (first, first_task) = start("first");
-    eventually(
-        "the first replica leads",
-        Duration::from_secs(30),
-        || async {
-            ensure!(first.leader.get() == 1);
-            Ok(())
-        },
-    )
-    .await?;
+    leads(&first, "the first replica", Duration::from_secs(30)).await?;
     let (second, second_task) = start("second");
     create(&client, &ns, &cluster("vc", 1, 0)?).await?;
     wait_ready(&client, &ns, "vc", FORM).await?;
@@ -649,11 +654,7 @@ async fn leader_election(env: TestEnv) -> Result<()> {
     // The leader dies without giving the lease up; the standby takes over once it expires.
     first_task.abort();
     let killed = Instant::now();
-    eventually("the standby leads", Duration::from_secs(60), || async {
-        ensure!(second.leader.get() == 1);
-        Ok(())
-    })
-    .await?;
+    leads(&second, "the standby", Duration::from_secs(60)).await?;
     // It reconciles: a change is acted on. Here a config change of a cluster with no replica
     // and no persistence, which the roll must not restart (its only copy of the data lives
     // in the pod): status says so, and the pod stays.
@@ -726,15 +727,7 @@ async fn leader_cut_off(env: TestEnv) -> Result<()> {
     // Its deadline 8 s after a renewal, which comes every 4 s: at least 4 s after the cut.
     let lease = Duration::from_secs(12);
     let (first, first_task) = contender(&cut_off, &ns, "first", lease);
-    eventually(
-        "the first replica leads",
-        Duration::from_secs(30),
-        || async {
-            ensure!(first.leader.get() == 1);
-            Ok(())
-        },
-    )
-    .await?;
+    leads(&first, "the first replica", Duration::from_secs(30)).await?;
     let (second, second_task) = contender(&client, &ns, "second", lease);
     // A cluster whose pod never starts, looked at every 3 s while it waits: at the step-down,
     // at least 4 s after the cut, a reconcile is stuck on a call (30 s), one that was going
@@ -772,11 +765,7 @@ async fn leader_cut_off(env: TestEnv) -> Result<()> {
         took < Duration::from_secs(10),
         "the cut-off leader stepped down {took:?} after the cut, past its deadline"
     );
-    eventually("the standby leads", Duration::from_secs(60), || async {
-        ensure!(second.leader.get() == 1);
-        Ok(())
-    })
-    .await?;
+    leads(&second, "the standby", Duration::from_secs(60)).await?;
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), &ns);
     let spec = leases
