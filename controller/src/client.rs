@@ -39,14 +39,12 @@ impl ApiTimeouts {
     /// The watch timeout in the whole seconds the API server takes: kube's watcher allows
     /// at most 290.
     pub fn watch_secs(&self) -> u32 {
-        u32::try_from(self.watch.as_secs())
-            .unwrap_or(u32::MAX)
-            .clamp(1, 290)
+        shardgate_crds::api_watch::watch_secs(self.watch)
     }
 
     /// The watches' client's read timeout: past the end of any watch.
     pub fn watch_read(&self) -> Duration {
-        Duration::from_secs(u64::from(self.watch_secs()) + 10)
+        shardgate_crds::api_watch::read_timeout(self.watch)
     }
 }
 

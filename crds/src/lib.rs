@@ -6,6 +6,8 @@
 //! - [`route_file`]: the proxy's route file, one serde type for its reader and its writers.
 //! - [`settings`]: the proxy's settings: its command line, its defaults, and the arguments
 //!   that start it.
+//! - [`api_watch`]: how the operator and the proxy keep a watch on the API server from
+//!   going silent for long.
 //! - [`valkey_cluster`] (feature `resource`): the `ValkeyCluster` custom resource, its
 //!   defaults and its validation (CEL in the CRD, the same rules in Rust), and the CRD YAML
 //!   (`crdgen`).
@@ -20,6 +22,7 @@
 //! the tests can never disagree about it.
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+pub mod api_watch;
 pub mod backend;
 pub mod names;
 pub mod ports;

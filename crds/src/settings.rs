@@ -20,6 +20,7 @@ pub mod defaults {
 
     pub const ROUTES_POLL: Duration = Duration::from_secs(1);
     pub const REFRESH: Duration = Duration::from_secs(10);
+    pub const KUBE_WATCH_TIMEOUT: Duration = Duration::from_secs(60);
     pub const LISTEN_IP: &str = "0.0.0.0";
     pub const ADMIN_ADDR: &str = "0.0.0.0:9090";
     pub const MAX_CONNECTIONS: usize = 10_000;
@@ -142,6 +143,13 @@ pub struct ProxySettings {
     /// "topology.kubernetes.io/zone=a"), to front only some of its pods.
     #[arg(long, value_name = "SELECTOR", requires = "kubernetes")]
     pub kube_selector: Option<String>,
+
+    /// With --kubernetes: the API server ends the pod watch this often (at most 290s) and it
+    /// is opened again. One that falls silent (the API server's node gone without a reset)
+    /// is dropped 5s past it, and a list 10s past it.
+    #[arg(long, value_name = "DURATION", default_value_t = human(defaults::KUBE_WATCH_TIMEOUT))]
+    #[serde(serialize_with = "display")]
+    pub kube_watch_timeout: humantime::Duration,
 
     /// With --seed or --kubernetes: the listener port of shard 0, node 0.
     #[arg(long, value_name = "PORT")]
@@ -518,6 +526,7 @@ mod tests {
             // One source at a time: the Kubernetes one is rendered below.
             kubernetes: None,
             kube_selector: None,
+            kube_watch_timeout: Duration::from_secs(61).into(),
             base_port: Some(30000),
             ports_per_shard: Some(4),
             refresh: Duration::from_secs(3).into(),
@@ -582,6 +591,7 @@ mod tests {
     fn the_kubernetes_source_renders_and_parses_back() {
         let kube = ProxySettings {
             kube_selector: Some("topology.kubernetes.io/zone=a,tier!=canary".into()),
+            kube_watch_timeout: Duration::from_secs(20).into(),
             ports_per_shard: Some(2),
             rewrite: true,
             advertise_host: Some("203.0.113.7".into()),
@@ -598,6 +608,8 @@ mod tests {
                 "31000",
                 "--kube-selector",
                 "topology.kubernetes.io/zone=a,tier!=canary",
+                "--kube-watch-timeout",
+                "20s",
                 "--kubernetes",
                 "valkey/vc",
                 "--ports-per-shard",

@@ -186,6 +186,7 @@ impl Proxy {
                 base_port,
                 ports_per_shard,
                 refresh,
+                watch,
             } => {
                 let source = crate::source::KubernetesSource::connect(
                     namespace,
@@ -194,6 +195,7 @@ impl Proxy {
                     base_port,
                     ports_per_shard,
                     refresh,
+                    watch,
                     config.connect_timeout,
                     resolver.clone(),
                     config.rewrite,

@@ -64,6 +64,8 @@ pub enum SourceConfig {
         ports_per_shard: Option<u32>,
         /// How often the nodes are asked again for their ids and roles.
         refresh: Duration,
+        /// How often the API server ends the pod watch (`shardgate_crds::api_watch`).
+        watch: Duration,
     },
 }
 
@@ -161,6 +163,7 @@ impl ProxyConfig {
                     .ok_or(ConfigError::KubernetesWithoutBasePort)?,
                 ports_per_shard: settings.ports_per_shard,
                 refresh: *settings.refresh,
+                watch: *settings.kube_watch_timeout,
             }
         } else {
             match (
@@ -375,6 +378,8 @@ mod tests {
             "2",
             "--refresh",
             "3s",
+            "--kube-watch-timeout",
+            "4s",
         ]);
         let both = ProxySettings {
             routes: Some("r".into()),
@@ -392,6 +397,7 @@ mod tests {
                 base_port,
                 ports_per_shard,
                 refresh,
+                watch,
             } = c.unwrap().source
             else {
                 panic!("not the Kubernetes source");
@@ -400,6 +406,7 @@ mod tests {
             assert_eq!(selector.as_deref(), Some("zone=a"));
             assert_eq!((base_port, ports_per_shard), (31000, Some(2)));
             assert_eq!(refresh, Duration::from_secs(3));
+            assert_eq!(watch, Duration::from_secs(4));
         } else {
             let err = c.unwrap_err().to_string();
             assert!(err.contains("without its `kubernetes` feature"), "{err}");

@@ -364,6 +364,8 @@ pub struct KubernetesSource {
     selector: String,
     table: Table,
     refresh: Duration,
+    /// How often the API server ends the pod watch (`shardgate_crds::api_watch`).
+    watch: Duration,
     /// The admin client's connect and reply timeouts.
     timeout: Duration,
     resolver: Resolver,
@@ -387,11 +389,14 @@ impl KubernetesSource {
         base_port: u16,
         ports_per_shard: Option<u32>,
         refresh: Duration,
+        watch: Duration,
         timeout: Duration,
         resolver: Resolver,
         rewrite: bool,
     ) -> Result<Self, KubeError> {
-        let config = kube::Config::infer().await.map_err(KubeError::Config)?;
+        let mut config = kube::Config::infer().await.map_err(KubeError::Config)?;
+        // kube's default is none: a list on a connection gone silent would wait for ever.
+        config.read_timeout = Some(shardgate_crds::api_watch::read_timeout(watch));
         let url = config.cluster_url.to_string();
         let client = Client::try_from(config).map_err(|error| KubeError::Client {
             url: url.clone(),
@@ -406,6 +411,7 @@ impl KubernetesSource {
             base_port,
             ports_per_shard,
             refresh,
+            watch,
             timeout,
             resolver,
             rewrite,
@@ -422,6 +428,7 @@ impl KubernetesSource {
         base_port: u16,
         ports_per_shard: Option<u32>,
         refresh: Duration,
+        watch: Duration,
         timeout: Duration,
         resolver: Resolver,
         rewrite: bool,
@@ -437,6 +444,7 @@ impl KubernetesSource {
             selector,
             table: Table::new(base_port, ports_per_shard, rewrite),
             refresh,
+            watch,
             timeout,
             resolver,
         }
@@ -546,7 +554,10 @@ impl RouteSource for KubernetesSource {
     async fn run(self, publisher: RoutePublisher, shutdown: CancellationToken) {
         let target = format!("{}/{}", self.namespace, self.cluster);
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
-        let config = watcher::Config::default().labels(&self.selector);
+        // Renewed often enough that one fallen silent is found.
+        let config = watcher::Config::default()
+            .labels(&self.selector)
+            .timeout(shardgate_crds::api_watch::watch_secs(self.watch));
         let new_watch = || Box::pin(watcher(api.clone(), config.clone()));
         let refresh_requested = publisher.refresh_requests();
         let mut run = Run {

@@ -75,12 +75,52 @@ pub async fn apply_files(client: &Client, files: &[PathBuf]) -> Result<()> {
 
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     for name in crds {
-        wait_established(&api, &name).await?;
+        let crd = wait_established(&api, &name).await?;
+        wait_served(client, &crd).await?;
     }
     Ok(())
 }
 
-async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> Result<()> {
+/// Waits until every served version of `crd` is in discovery and answers a list:
+/// Established can come a moment before the API server routes either path (a 404 "page not
+/// found" then, seen on a loaded machine).
+async fn wait_served(client: &Client, crd: &CustomResourceDefinition) -> Result<()> {
+    let name = crd.metadata.name.as_deref().unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for version in crd.spec.versions.iter().filter(|v| v.served) {
+        let gvk = GroupVersionKind::gvk(&crd.spec.group, &version.name, &crd.spec.names.kind);
+        let resource = kube::api::ApiResource::from_gvk_with_plural(&gvk, &crd.spec.names.plural);
+        let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+        loop {
+            let served = match pinned_kind(client, &gvk).await {
+                Ok(_) => api
+                    .list(&kube::api::ListParams::default().limit(1))
+                    .await
+                    .map(|_| ()),
+                Err(e) => Err(e),
+            };
+            match served {
+                Ok(()) => break,
+                // A 404 while the path is not routed yet, or a kind discovery does not
+                // list yet.
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!("CRD {name} established but {} not served", version.name)
+                    })
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn wait_established(
+    api: &Api<CustomResourceDefinition>,
+    name: &str,
+) -> Result<CustomResourceDefinition> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let crd = api
@@ -96,7 +136,7 @@ async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> Re
                     .any(|c| c.type_ == "Established" && c.status == "True")
             });
         if established {
-            return Ok(());
+            return Ok(crd);
         }
         if Instant::now() > deadline {
             bail!("CRD {name} not established after 60s: {:?}", crd.status);
