@@ -3,12 +3,15 @@
 use std::sync::Arc;
 
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::Store;
 use kube::Client;
 use shardgate_admin_client::Timeouts;
 
 use crate::client::ApiTimeouts;
 use crate::external::gateway::GatewayApi;
 use crate::metrics::Metrics;
+use crate::per_cluster::{Counts, Warnings};
+use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 /// The field manager of every object the operator applies (server-side apply).
 pub const FIELD_MANAGER: &str = "shardgate-operator";
@@ -31,15 +34,18 @@ pub struct Context {
     /// How long the operator waits for a Valkey node.
     pub timeouts: Timeouts,
     /// Consecutive failures per cluster, for the retry backoff.
-    pub backoff: crate::reconcile::PerCluster,
+    pub backoff: Arc<Counts>,
     /// Consecutive looks per cluster with nodes that did not take on a renewed TLS
     /// Secret ([`crate::tls::reload`]).
-    pub reload_behind: crate::reconcile::PerCluster,
+    pub reload_behind: Arc<Counts>,
     /// Whether Gateway API is served: found by [`crate::run`] at start-up.
     pub gateway_api: GatewayApi,
-    /// The one-time warnings already published, by cluster and reason (one Event each per
-    /// operator run, not one per reconcile).
-    pub warned: crate::reconcile::Warned,
+    /// The warnings published per cluster, by reason: one Event when a condition starts,
+    /// not one per reconcile while it lasts.
+    pub warned: Arc<Warnings>,
+    /// The controller's cache of clusters, once it runs: what is remembered per cluster is
+    /// dropped when the cluster leaves it ([`Context::forget_gone`]).
+    pub clusters: Option<Store<ValkeyCluster>>,
     /// The proxy's image in proxy mode, unless a cluster names its own.
     pub proxy_image: String,
 }
@@ -63,6 +69,7 @@ impl Context {
             reload_behind: Default::default(),
             gateway_api: GatewayApi::Missing("not looked for yet".into()),
             warned: Default::default(),
+            clusters: None,
             proxy_image: DEFAULT_PROXY_IMAGE.into(),
         }
     }

@@ -18,7 +18,8 @@
 //! - [`leader`]: leader election on a Lease.
 //! - [`client`]: the API clients, for calls (with a read timeout) and for watches.
 //! - [`context`], [`error`], [`metrics`], [`objects`] (labels, owner references, apply),
-//!   [`http`] (`/metrics`, `/healthz`, `/readyz`).
+//!   [`http`] (`/metrics`, `/healthz`, `/readyz`), [`per_cluster`] (what is remembered of
+//!   each cluster between reconciles).
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 pub mod client;
@@ -32,6 +33,7 @@ pub mod leader;
 pub mod metrics;
 pub mod objects;
 pub mod pdb;
+pub mod per_cluster;
 pub mod pods;
 pub mod reconcile;
 pub mod rolling;

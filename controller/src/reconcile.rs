@@ -6,9 +6,9 @@
 //! ([`crate::formation`]), then rolling config changes ([`crate::rolling`]), then status
 //! ([`crate::status`]). Events are published for every change made and every failure.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -41,7 +41,8 @@ pub async fn reconcile(vc: Arc<ValkeyCluster>, ctx: Arc<Context>) -> Result<Acti
     let _measure = ctx.metrics.measure();
     match apply(&vc, &ctx).await {
         Ok(action) => {
-            count(&ctx.backoff, &vc, false);
+            ctx.backoff.count(&vc, false);
+            ctx.forget_gone();
             Ok(action)
         }
         Err(e) => {
@@ -86,7 +87,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     // and TLS cannot be turned on in place: it stays plain, and is told so once.
     let on_plain;
     let vc = if vc.spec.tls.is_some() && crate::tls::nodes_on_plain(vc, ctx).await? {
-        if ctx.first_warning(vc, "TLSNotApplied") {
+        if ctx.warned.first(vc, "TLSNotApplied") {
             let note = "spec.tls was set before this operator version acted on it: the nodes \
                         run plain RESP and stay on it (a node on TLS and one on plain RESP \
                         cannot talk on the cluster bus, so TLS cannot be turned on one pod at \
@@ -106,16 +107,19 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
 
     // How the operator dials the nodes: over TLS with spec.tls's Secret, which must exist.
     let dial = crate::tls::dial(vc, ctx).await?;
-    if let Some(ea) = vc.spec.external_access.as_ref().filter(|ea| ea.enabled) {
-        let ignored = ea.ignored_fields();
-        if !ignored.is_empty() && ctx.first_warning(vc, "FieldsIgnored") {
-            let note = format!(
-                "{} set but not used in {} mode; they are ignored",
-                ignored.join(", "),
-                ea.mode
-            );
-            publish(ctx, vc, EventType::Warning, "FieldsIgnored", &note).await;
+    let enabled = vc.spec.external_access.as_ref().filter(|ea| ea.enabled);
+    match enabled.map(|ea| (ea, ea.ignored_fields())) {
+        Some((ea, ignored)) if !ignored.is_empty() => {
+            if ctx.warned.first(vc, "FieldsIgnored") {
+                let note = format!(
+                    "{} set but not used in {} mode; they are ignored",
+                    ignored.join(", "),
+                    ea.mode
+                );
+                publish(ctx, vc, EventType::Warning, "FieldsIgnored", &note).await;
+            }
         }
+        _ => ctx.warned.cleared(vc, "FieldsIgnored"),
     }
     let hash = configmap::apply_config(vc, ctx).await?;
     service::apply_headless(vc, ctx).await?;
@@ -141,12 +145,12 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         );
         publish(ctx, vc, EventType::Normal, "TCPRouteRemoved", &note).await;
     }
-    if let Some(r) = routing
+    match routing
         .as_ref()
         .filter(|r| r.reason == "GatewayAPIUnavailable")
     {
-        let first = ctx.first_warning(vc, "GatewayAPIUnavailable");
-        if first {
+        None => ctx.warned.cleared(vc, "GatewayAPIUnavailable"),
+        Some(r) if ctx.warned.first(vc, "GatewayAPIUnavailable") => {
             let note = format!(
                 "externalAccess.gateway is set but {}; no TCPRoute is made (install the Gateway \
                  API experimental-channel CRDs and restart the operator)",
@@ -154,6 +158,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             );
             publish(ctx, vc, EventType::Warning, "GatewayAPIUnavailable", &note).await;
         }
+        Some(_) => {}
     }
     let nodes: Vec<_> = vc.spec.node_refs().collect();
     // Each node's pods carry the hash of what they run with: config, announce flags, image
@@ -298,8 +303,10 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             info!(cluster = %name, "{what}");
             publish(ctx, vc, EventType::Normal, "CertificateReloaded", what).await;
         }
-        let looks = count(&ctx.reload_behind, vc, !reload.behind.is_empty());
-        if looks >= crate::tls::BEHIND_LOOKS && ctx.first_warning(vc, "CertificateNotReloaded") {
+        let looks = ctx.reload_behind.count(vc, !reload.behind.is_empty());
+        if looks < crate::tls::BEHIND_LOOKS {
+            ctx.warned.cleared(vc, "CertificateNotReloaded");
+        } else if ctx.warned.first(vc, "CertificateNotReloaded") {
             let nodes: Vec<String> = reload.behind.iter().map(|n| n.to_string()).collect();
             let note = format!(
                 "node(s) {} still present another certificate than Secret {}'s after {looks} \
@@ -315,6 +322,9 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     if let Progress::Formed(formed) = &progress {
         let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale).await?;
         rolled = step.is_some();
+        if !matches!(step, Some(rolling::Step::Blocked(_))) {
+            ctx.warned.cleared(vc, "RollingBlocked");
+        }
         match step {
             Some(rolling::Step::Acted(what)) => {
                 let (kind, reason) = (EventType::Normal, "RollingConfig");
@@ -322,7 +332,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
                 progress = Progress::Acted(what);
             }
             Some(rolling::Step::Blocked(why)) => {
-                if ctx.first_warning(vc, "RollingBlocked") {
+                if ctx.warned.first(vc, "RollingBlocked") {
                     publish(ctx, vc, EventType::Warning, "RollingBlocked", &why).await;
                 }
                 progress = Progress::Waiting(why);
@@ -401,39 +411,11 @@ pub fn error_policy(vc: Arc<ValkeyCluster>, error: &Error, ctx: Arc<Context>) ->
             error: error.label(),
         })
         .inc();
-    let n = count(&ctx.backoff, &vc, true);
+    let n = ctx.backoff.count(&vc, true);
     let delay = Duration::from_secs(1u64 << n.min(8)).min(Duration::from_secs(300));
     warn!(cluster = %vc.name_any(), retry_in = ?delay, "reconcile failed: {error}");
     Action::requeue(delay)
 }
-
-impl Context {
-    /// Whether the one-time warning `reason` is still to be published for `vc` (true once
-    /// per cluster and operator run).
-    fn first_warning(&self, vc: &ValkeyCluster, reason: &'static str) -> bool {
-        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
-        warned.insert((ObjectRef::from_obj(vc), reason))
-    }
-}
-
-/// `vc`'s count in `counts` (consecutive failures, looks with nodes behind...), one more
-/// when `again`, else back to 0 (and forgotten).
-fn count(counts: &PerCluster, vc: &ValkeyCluster, again: bool) -> u32 {
-    let mut map = counts.lock().unwrap_or_else(|p| p.into_inner());
-    if !again {
-        map.remove(&ObjectRef::from_obj(vc));
-        return 0;
-    }
-    let n = map.entry(ObjectRef::from_obj(vc)).or_insert(0);
-    *n += 1;
-    *n
-}
-
-/// A count per cluster ([`count`]).
-pub type PerCluster = Arc<Mutex<HashMap<ObjectRef<ValkeyCluster>, u32>>>;
-
-/// The clusters a one-time warning was published for, with its reason.
-pub type Warned = Arc<Mutex<HashSet<(ObjectRef<ValkeyCluster>, &'static str)>>>;
 
 /// Something the operator did to `vc`: counted by `action`, logged (a Warning as a
 /// warning), and published as an event.
@@ -519,10 +501,10 @@ pub async fn run(
         GatewayApi::Served => info!("Gateway API TCPRoute served: gateway mode available"),
         GatewayApi::Missing(why) => warn!("gateway mode unavailable: {why}"),
     }
-    let ctx = Arc::new(Context {
+    let mut ctx = Context {
         gateway_api: gateway_api.clone(),
         ..(*ctx).clone()
-    });
+    };
     // Renewed often enough that one fallen silent is found (crate::client).
     let watch_config = watcher::Config::default().timeout(ctx.api_timeouts.watch_secs());
     let managed = watch_config.clone().labels(&format!(
@@ -570,9 +552,10 @@ pub async fn run(
                 },
             );
     }
+    ctx.clusters = Some(controller.store());
     controller
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile, error_policy, Arc::new(ctx))
         .for_each(|result| async move {
             match result {
                 Ok((obj, _)) => tracing::debug!(cluster = %obj.name, "reconciled"),
@@ -581,25 +564,4 @@ pub async fn run(
         })
         .await;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Counts go up one look at a time, per cluster, and back to 0 at a look without.
-    #[test]
-    fn looks_in_a_row_are_counted_per_cluster() {
-        let counts = PerCluster::default();
-        let (a, b) = (ValkeyCluster::test("a"), ValkeyCluster::test("b"));
-        assert_eq!(count(&counts, &a, true), 1);
-        assert_eq!(count(&counts, &a, true), 2);
-        assert_eq!(count(&counts, &b, true), 1);
-        assert_eq!(count(&counts, &a, false), 0);
-        assert_eq!(count(&counts, &a, true), 1);
-        assert_eq!(count(&counts, &b, true), 2);
-        count(&counts, &a, false);
-        count(&counts, &b, false);
-        assert!(counts.lock().unwrap().is_empty(), "forgotten at 0");
-    }
 }

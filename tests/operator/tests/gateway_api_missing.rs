@@ -1,6 +1,7 @@
 //! The operator on an API server without Gateway API (its CRDs not installed): a cluster
 //! that asks for a gateway still runs, and is told what is missing once, not on every
-//! reconcile. Its own control plane (the other suites install Gateway API).
+//! reconcile; deleted and made again under its name, it is told again. Its own control
+//! plane (the other suites install Gateway API).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -42,7 +43,12 @@ async fn warned_once(env: TestEnv) -> Result<()> {
         "mode": "announce",
         "gateway": { "gatewayRef": { "name": "gw" }, "basePort": 31000 },
     });
-    create(&client, &ns, &external_cluster("vc", 1, 1, external)?).await?;
+    create(
+        &client,
+        &ns,
+        &external_cluster("vc", 1, 1, external.clone())?,
+    )
+    .await?;
     // The cluster itself does not need Gateway API.
     wait_ready(&client, &ns, "vc", FORM).await?;
     let api = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
@@ -123,6 +129,37 @@ async fn warned_once(env: TestEnv) -> Result<()> {
                 .all(|a| a.ends_with(":31000") || a.ends_with(":31001")),
         "CLUSTER SLOTS hands out {named:?}"
     );
+
+    // Deleted and made again under its name, the cluster is a new one (another uid): it is
+    // warned again, although the operator ran all along and warned the old one.
+    let old_uid = api.get("vc").await?.metadata.uid;
+    api.delete("vc", &Default::default()).await?;
+    eventually("the old cluster gone", Duration::from_secs(60), || async {
+        let left = api.get_opt("vc").await?;
+        ensure!(left.is_none(), "still there");
+        Ok(())
+    })
+    .await?;
+    let remade = create(&client, &ns, &external_cluster("vc", 1, 1, external)?).await?;
+    ensure!(remade.metadata.uid != old_uid, "{:?}", remade.metadata.uid);
+    eventually(
+        "the new cluster warned",
+        Duration::from_secs(60),
+        || async {
+            let all = events.list(&ListParams::default()).await?.items;
+            let new: Vec<_> = all
+                .iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some("GatewayAPIUnavailable")
+                        && e.regarding.as_ref().and_then(|r| r.uid.as_ref())
+                            == remade.metadata.uid.as_ref()
+                })
+                .collect();
+            ensure!(new.len() == 1, "{new:?}");
+            Ok(())
+        },
+    )
+    .await?;
     operator.stop().await;
     Ok(())
 }
