@@ -24,6 +24,7 @@ mod commands;
 pub mod depth;
 pub mod error;
 pub mod nodes;
+pub mod pem;
 pub mod shards;
 pub mod tls;
 

@@ -15,8 +15,7 @@ use rustls::client::verify_server_cert_signed_by_trust_anchor;
 use rustls::crypto::{
     ring, verify_tls12_signature, verify_tls13_signature, WebPkiSupportedAlgorithms,
 };
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::ParsedCertificate;
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_rustls::TlsConnector;
@@ -75,7 +74,7 @@ impl Tls {
             Some((cert, key)) => {
                 let chain = certificates("certificate", cert)?;
                 certificate = chain.first().map(|leaf| Arc::from(leaf.as_ref()));
-                let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError::Pem {
+                let key = crate::pem::private_key(key).map_err(|e| TlsError::Pem {
                     what: "key",
                     message: e.to_string(),
                 })?;
@@ -105,19 +104,10 @@ impl Tls {
 
 /// Every certificate in `pem`; at least one.
 fn certificates(what: &'static str, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Pem {
-            what,
-            message: e.to_string(),
-        })?;
-    if certs.is_empty() {
-        return Err(TlsError::Pem {
-            what,
-            message: "no CERTIFICATE in the PEM".into(),
-        });
-    }
-    Ok(certs)
+    crate::pem::certificates(pem).map_err(|e| TlsError::Pem {
+        what,
+        message: e.to_string(),
+    })
 }
 
 /// webpki's verification of a server's certificate, but for the name: a chain to one of

@@ -15,8 +15,8 @@ use std::time::Duration;
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use rustls_pki_types::CertificateDer;
+use shardgate_admin_client::pem;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -75,21 +75,11 @@ fn read(path: &Path) -> Result<Vec<u8>, CertError> {
 
 /// The certificates of a PEM bundle (at least one).
 pub fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, CertError> {
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| CertError::Pem {
-            path: path.to_path_buf(),
-            what: "certificates",
-            message: e.to_string(),
-        })?;
-    if certs.is_empty() {
-        return Err(CertError::Pem {
-            path: path.to_path_buf(),
-            what: "certificates",
-            message: "no CERTIFICATE block in the file".into(),
-        });
-    }
-    Ok(certs)
+    pem::certificates(pem).map_err(|e| CertError::Pem {
+        path: path.to_path_buf(),
+        what: "certificates",
+        message: e.to_string(),
+    })
 }
 
 /// A root store of the CA certificates of a PEM bundle.
@@ -128,7 +118,7 @@ impl CertFiles {
             });
         };
         let chain = certificates(&self.cert, cert_pem)?;
-        let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| CertError::Pem {
+        let key = pem::private_key(key_pem).map_err(|e| CertError::Pem {
             path: self.key.clone(),
             what: "private key",
             message: e.to_string(),
