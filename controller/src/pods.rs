@@ -16,7 +16,7 @@ use crate::context::Context;
 use crate::error::Result;
 use crate::formation::Announced;
 use crate::objects::{cluster_selector, namespace};
-use crate::statefulset::CONFIG_HASH;
+use crate::statefulset::{CONFIG_HASH, CONFIG_PARTS};
 
 /// One node's pod.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -27,6 +27,8 @@ pub struct NodePod {
     pub ready: bool,
     /// The config hash it was started with.
     pub config_hash: Option<String>,
+    /// The hash of each part of that hash ([`crate::statefulset::CONFIG_PARTS`]).
+    pub config_parts: Option<String>,
     pub deleting: bool,
     /// How often its containers restarted (a pod that crashes is a fault, not a restart
     /// the operator asked for).
@@ -79,6 +81,7 @@ pub async fn observe(vc: &ValkeyCluster, ctx: &Context) -> Result<Pods> {
                 addr,
                 ready,
                 config_hash: pod.annotations().get(CONFIG_HASH).cloned(),
+                config_parts: pod.annotations().get(CONFIG_PARTS).cloned(),
                 deleting: pod.metadata.deletion_timestamp.is_some(),
                 restarts: status
                     .and_then(|s| s.container_statuses.as_ref())

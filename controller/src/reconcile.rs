@@ -164,11 +164,14 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     // Each node's pods carry the hash of what they run with: config, announce flags, image
     // and resources (a change of any rolls them).
     let mut hashes = BTreeMap::new();
+    let mut parts = BTreeMap::new();
     for &node in &nodes {
         let args = external::announce::args(vc, ea, node, exposures.get(&node));
         let node_hash = statefulset::pod_hash(vc, &hash, &args)?;
-        statefulset::apply_node(vc, ctx, node, &node_hash, &args).await?;
+        let node_parts = statefulset::pod_parts(vc, &hash, &args)?;
+        statefulset::apply_node(vc, ctx, node, &node_hash, &node_parts, &args).await?;
         hashes.insert(node, node_hash);
+        parts.insert(node, node_parts);
     }
     pdb::apply_budget(vc, ctx).await?;
     // Proxy mode: the proxy in front (removed again when the mode or the block goes).
@@ -296,6 +299,11 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         })
         .copied()
         .collect();
+    // What those pods are to restart for, in words, for status and events.
+    let changes = statefulset::changed(stale.iter().filter_map(|n| {
+        let pod = pods.nodes.get(n)?;
+        Some((pod.config_parts.as_deref(), parts.get(n)?.as_str()))
+    }));
     // A Secret renewed in place: the nodes read their files again (no restart).
     if let Some(tls) = &vc.spec.tls {
         let reload = crate::tls::reload(&pods, &stale, &dial, &tls.secret_name).await;
@@ -320,7 +328,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }
     let mut rolled = false;
     if let Progress::Formed(formed) = &progress {
-        let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale).await?;
+        let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale, &changes).await?;
         rolled = step.is_some();
         if !matches!(step, Some(rolling::Step::Blocked(_))) {
             ctx.warned.cleared(vc, "RollingBlocked");
@@ -367,6 +375,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             desired_nodes: nodes.len(),
             shards: vc.spec.shards as u32,
             stale: &stale,
+            changes: &changes,
             external: external.as_ref(),
             gateway: routing.as_ref(),
             scaling_in,

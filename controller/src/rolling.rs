@@ -85,6 +85,7 @@ pub async fn step(
     pods: &Pods,
     formed: &Formed,
     stale: &[NodeRef],
+    changes: &str,
 ) -> Result<Option<Step>> {
     if stale.is_empty() || pods.nodes.values().any(|p| !p.ready || p.deleting) {
         return Ok(None);
@@ -106,7 +107,7 @@ pub async fn step(
                 "a replica"
             };
             Ok(Some(Step::Acted(format!(
-                "restarted pod {pod} (node {node}, {what}) for the new config"
+                "restarted pod {pod} (node {node}, {what}) for the new {changes}"
             ))))
         }
         Next::FailOver { replica, node } => {
@@ -132,7 +133,7 @@ pub async fn step(
             let names: Vec<String> = nodes.iter().map(NodeRef::to_string).collect();
             Ok(Some(Step::Blocked(format!(
                 "node(s) {} are their shards' only copy and keep their data in the pod (no \
-                 spec.persistence): restarting them for the new config would lose their keys, \
+                 spec.persistence): restarting them for the new {changes} would lose their keys, \
                  so the roll stops here. Add a replica (spec.replicas: 1) and it goes on, or \
                  delete the pod(s) to accept the loss",
                 names.join(", ")

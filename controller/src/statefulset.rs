@@ -32,13 +32,27 @@ const DATA_DIR: &str = "/data";
 /// cluster without it keeps the hash it had before the part was added: an operator upgrade
 /// does not roll it.
 pub fn pod_hash(vc: &ValkeyCluster, config_hash: &str, args: &[String]) -> Result<String> {
-    let mut parts = args.to_vec();
+    let parts: Vec<String> = pieces(vc, args)?.into_iter().flat_map(|(_, p)| p).collect();
+    Ok(if parts.is_empty() {
+        config_hash.to_string()
+    } else {
+        configmap::hash(&format!("{config_hash}\n{}", parts.join("\n")))
+    })
+}
+
+/// The parts of [`pod_hash`] beyond the config, in its order, each named; a part at its
+/// default is left out.
+fn pieces(vc: &ValkeyCluster, args: &[String]) -> Result<Vec<(&'static str, Vec<String>)>> {
+    let mut pieces = Vec::new();
+    if !args.is_empty() {
+        pieces.push(("flags", args.to_vec()));
+    }
     // Valkey reads its certificate at start: a pod on another Secret is a new pod.
     if let Some(tls) = &vc.spec.tls {
-        parts.push(format!("tls={}", tls.secret_name));
+        pieces.push(("tls", vec![format!("tls={}", tls.secret_name)]));
     }
     if vc.spec.image != defaults::IMAGE {
-        parts.push(format!("image={}", vc.spec.image));
+        pieces.push(("image", vec![format!("image={}", vc.spec.image)]));
     }
     if let Some(resources) = &vc.spec.resources {
         let json =
@@ -46,13 +60,64 @@ pub fn pod_hash(vc: &ValkeyCluster, config_hash: &str, args: &[String]) -> Resul
                 what: "resources".into(),
                 source,
             })?;
-        parts.push(format!("resources={json}"));
+        pieces.push(("resources", vec![format!("resources={json}")]));
     }
-    Ok(if parts.is_empty() {
-        config_hash.to_string()
-    } else {
-        configmap::hash(&format!("{config_hash}\n{}", parts.join("\n")))
-    })
+    Ok(pieces)
+}
+
+/// The pod annotation with a hash of each part of [`CONFIG_HASH`] (`config=<h>,image=<h>`),
+/// so that a roll can say what it restarts the pods for. Not in the hash itself, and the
+/// StatefulSets use `OnDelete`: pods made before it existed are not rolled for it.
+pub const CONFIG_PARTS: &str = "shardgate.io/config-parts";
+
+/// The [`CONFIG_PARTS`] of pods that run with `config_hash` and `args`.
+pub fn pod_parts(vc: &ValkeyCluster, config_hash: &str, args: &[String]) -> Result<String> {
+    let mut parts = vec![format!("config={config_hash}")];
+    for (name, piece) in pieces(vc, args)? {
+        parts.push(format!("{name}={}", configmap::hash(&piece.join("\n"))));
+    }
+    Ok(parts.join(","))
+}
+
+/// What pods are restarted for, in words (`config`, `image and resources`): the parts
+/// whose hashes differ between each pod's [`CONFIG_PARTS`] and the desired ones, over
+/// `pods` (a pod's, the desired). A pod without the annotation (made by an older operator)
+/// counts as a config change.
+pub fn changed<'a>(pods: impl IntoIterator<Item = (Option<&'a str>, &'a str)>) -> String {
+    const WORDS: [(&str, &str); 5] = [
+        ("config", "config"),
+        ("flags", "announce flags"),
+        ("tls", "TLS Secret"),
+        ("image", "image"),
+        ("resources", "resources"),
+    ];
+    let split = |parts: &'a str| -> Vec<(&'a str, &'a str)> {
+        parts.split(',').filter_map(|p| p.split_once('=')).collect()
+    };
+    let mut differ = [false; WORDS.len()];
+    for (pod, desired) in pods {
+        let Some(pod) = pod else {
+            differ[0] = true;
+            continue;
+        };
+        let (pod, desired) = (split(pod), split(desired));
+        let value = |parts: &[(&str, &'a str)], name: &str| {
+            parts.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+        };
+        for (i, (name, _)) in WORDS.iter().enumerate() {
+            differ[i] |= value(&pod, name) != value(&desired, name);
+        }
+    }
+    let words: Vec<&str> = WORDS
+        .iter()
+        .zip(differ)
+        .filter_map(|((_, word), d)| d.then_some(*word))
+        .collect();
+    match words.as_slice() {
+        [] => "config".into(),
+        [one] => one.to_string(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
 }
 
 /// The StatefulSet of `node`, whose pods run with the hash `config_hash` (see [`pod_hash`])
@@ -62,6 +127,7 @@ pub fn build_node(
     vc: &ValkeyCluster,
     node: NodeRef,
     config_hash: &str,
+    parts: &str,
     announce: &[String],
 ) -> Result<StatefulSet> {
     let cluster = vc.name_any();
@@ -163,7 +229,7 @@ pub fn build_node(
                 "template": {
                     "metadata": {
                         "labels": labels,
-                        "annotations": { CONFIG_HASH: config_hash },
+                        "annotations": { CONFIG_HASH: config_hash, CONFIG_PARTS: parts },
                     },
                     "spec": {
                         "containers": [container],
@@ -210,9 +276,10 @@ pub async fn apply_node(
     ctx: &Context,
     node: NodeRef,
     config_hash: &str,
+    parts: &str,
     announce: &[String],
 ) -> Result<StatefulSet> {
-    let sts = build_node(vc, node, config_hash, announce)?;
+    let sts = build_node(vc, node, config_hash, parts, announce)?;
     apply(&Api::namespaced(ctx.client.clone(), &namespace(vc)?), &sts).await
 }
 
@@ -260,13 +327,56 @@ mod tests {
         assert!(one != "abc" && two != "abc" && one != two, "{one} {two}");
     }
 
+    /// A roll says what it restarts the pods for: the parts whose hashes differ, in words;
+    /// a pod made before the parts were recorded counts as a config change.
+    #[test]
+    fn a_roll_names_the_parts_that_changed() {
+        let vc = ValkeyCluster::test("vc");
+        let flags = ["--x".to_string(), "1".to_string()];
+        let parts = |vc: &ValkeyCluster, config: &str, args: &[String]| {
+            pod_parts(vc, config, args).unwrap()
+        };
+        let before = parts(&vc, "abc", &[]);
+        assert_eq!(before, "config=abc");
+        let changed_from = |after: &str| changed([(Some(before.as_str()), after)]);
+        assert_eq!(changed_from(&parts(&vc, "def", &[])), "config");
+        assert_eq!(changed_from(&parts(&vc, "abc", &flags)), "announce flags");
+        let mut image = vc.clone();
+        image.spec.image = "valkey/valkey:9.1".into();
+        assert_eq!(changed_from(&parts(&image, "abc", &[])), "image");
+        let mut both = image.clone();
+        both.spec.resources = Some(Default::default());
+        assert_eq!(
+            changed_from(&parts(&both, "abc", &[])),
+            "image and resources"
+        );
+        let all = parts(&both.clone().tls("s"), "def", &flags);
+        assert_eq!(
+            changed_from(&all),
+            "config, announce flags, TLS Secret, image and resources"
+        );
+        // Over several pods, each part once; back to a default counts as a change.
+        let on_image = parts(&image, "abc", &[]);
+        assert_eq!(
+            changed([
+                (Some(on_image.as_str()), before.as_str()),
+                (None, before.as_str())
+            ]),
+            "config and image"
+        );
+        assert_eq!(changed([]), "config", "no pod to compare");
+        // The parts agree with the hash: a part the hash leaves out, the parts leave out.
+        assert_eq!(pod_hash(&vc, "abc", &[]).unwrap(), "abc");
+        assert!(!parts(&image, "abc", &[]).contains("resources"));
+    }
+
     /// With `spec.tls`, the Secret is mounted read-only where valkey.conf looks for it,
     /// readable by the pod's group only; without, there is no such volume.
     #[test]
     fn a_tls_cluster_mounts_its_secret() {
         let node = NodeRef::new(0, 0);
         let json = |vc: &ValkeyCluster| {
-            serde_json::to_value(build_node(vc, node, "h", &[]).unwrap()).unwrap()
+            serde_json::to_value(build_node(vc, node, "h", "config=h", &[]).unwrap()).unwrap()
         };
         let sts = json(&ValkeyCluster::test("vc").tls("vc-certs"));
         let pod = &sts["spec"]["template"]["spec"];

@@ -26,6 +26,9 @@ pub struct Observed<'a> {
     pub shards: u32,
     /// Nodes whose pod is missing or not on the current config.
     pub stale: &'a [NodeRef],
+    /// What the stale pods are to restart for, in words (`config`, `image and resources`:
+    /// [`crate::statefulset::changed`]).
+    pub changes: &'a str,
     /// External access in announce mode: its endpoints (`None`: off, and not reported).
     pub external: Option<&'a External>,
     /// Gateway mode: what the Gateway has (`None`: no gateway, and not reported).
@@ -262,11 +265,11 @@ fn rolling(vc: &ValkeyCluster, o: &Observed<'_>) -> Option<String> {
     };
     Some(if old > 0 {
         format!(
-            "{old} of {} pods to restart with the new config{step}",
-            o.desired_nodes
+            "{old} of {} pods to restart with the new {}{step}",
+            o.desired_nodes, o.changes
         )
     } else {
-        format!("every pod restarted with the new config{step}")
+        format!("every pod restarted for the change{step}")
     })
 }
 
@@ -304,7 +307,7 @@ fn compute_cluster(vc: &ValkeyCluster, o: &Observed<'_>) -> (&'static str, Vec<C
             // A roll that waits for a fault to clear is still to do.
             let old = on_old_config(o);
             let progressing = if old > 0 {
-                let what = format!("{old} pods to restart with the new config");
+                let what = format!("{old} pods to restart with the new {}", o.changes);
                 c("Progressing", true, "RollingConfig", what)
             } else {
                 c("Progressing", false, "Settled", "nothing to do".into())
@@ -624,6 +627,7 @@ mod tests {
                 desired_nodes: 1,
                 shards: 1,
                 stale: &[],
+                changes: "config",
                 external: Some(&ext),
                 gateway: None,
                 scaling_in: false,
@@ -721,6 +725,7 @@ mod tests {
                 desired_nodes: 6,
                 shards: 3,
                 stale: &[],
+                changes: "config",
                 external: None,
                 gateway: None,
                 scaling_in,
@@ -867,6 +872,7 @@ mod tests {
                 desired_nodes: 4,
                 shards: 2,
                 stale,
+                changes: "config",
                 external: None,
                 gateway: None,
                 scaling_in: false,
@@ -929,7 +935,7 @@ mod tests {
         assert_eq!(phase, "Upgrading");
         assert_eq!(
             message,
-            "every pod restarted with the new config; node 1-0 restarting"
+            "every pod restarted for the change; node 1-0 restarting"
         );
         // ... and then Ready.
         let (phase, ready, _) = compute_for(&vc(true), formed(), all_ready(), &[]);

@@ -529,7 +529,11 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
     ensure!(most_down <= 1, "{most_down} pods were down at once");
     wait_ready(&client, &ns, "vc", FORM).await?;
     // What the user reads meanwhile: the roll, pod by pod, not a fault.
-    let says = ["pods to restart with the new config", "restarted pod"];
+    let says = [
+        "pods to restart with the new config",
+        "restarted pod",
+        "for the new config",
+    ];
     let mark = changed_visibly(&statuses, mark, "Upgrading", "RollingConfig", &says)?;
 
     // A new Valkey image rolls the pods the same way (the StatefulSets use OnDelete: only
@@ -550,6 +554,12 @@ async fn config_change_rolls(env: TestEnv) -> Result<()> {
     .await?;
     ensure!(most_down <= 1, "{most_down} pods were down at once");
     let vc = wait_ready(&client, &ns, "vc", FORM).await?;
+    // Said as what it is: the image, not the config.
+    let says = [
+        "pods to restart with the new image",
+        "restarted pod",
+        "for the new image",
+    ];
     changed_visibly(&statuses, mark, "Upgrading", "RollingConfig", &says)?;
     recorder.abort();
 
