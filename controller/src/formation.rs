@@ -118,6 +118,9 @@ pub struct Formed {
 pub struct NodeState {
     pub id: String,
     pub primary: bool,
+    /// It presented the operator's own certificate (`spec.tls`'s Secret's) on this look's
+    /// connection: [`crate::tls::reload`] need not dial it again to ask.
+    pub current_certificate: bool,
 }
 
 impl fmt::Display for Progress {
@@ -644,6 +647,11 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
             )));
         }
     }
+    let own = plan
+        .dial
+        .tls
+        .as_ref()
+        .and_then(shardgate_admin_client::tls::Tls::certificate);
     Ok(Progress::Formed(Formed {
         nodes: seen
             .iter()
@@ -655,6 +663,7 @@ pub async fn step(plan: &Plan) -> Result<Progress, FormationError> {
                     NodeState {
                         id: s.id.clone(),
                         primary,
+                        current_certificate: own.is_some() && s.client.peer_certificate() == own,
                     },
                 )
             })

@@ -306,7 +306,11 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }));
     // A Secret renewed in place: the nodes read their files again (no restart).
     if let Some(tls) = &vc.spec.tls {
-        let reload = crate::tls::reload(&pods, &stale, &dial, &tls.secret_name).await;
+        let current = |n: shardgate_crds::NodeRef| match &progress {
+            Progress::Formed(f) => f.nodes.get(&n).is_some_and(|s| s.current_certificate),
+            _ => false,
+        };
+        let reload = crate::tls::reload(&pods, &stale, current, &dial, &tls.secret_name).await;
         for what in &reload.changed {
             info!(cluster = %name, "{what}");
             publish(ctx, vc, EventType::Normal, "CertificateReloaded", what).await;

@@ -160,6 +160,7 @@ mod tests {
                     let state = NodeState {
                         id: n.to_string(),
                         primary: n.node.0 == 0,
+                        current_certificate: false,
                     };
                     (*n, state)
                 })

@@ -132,13 +132,23 @@ fn on_plain(pods: &[Pod], cluster_made: Option<&Time>) -> bool {
 /// again on the next look. Returns what changed; a node that does not answer is left to
 /// formation.
 ///
-/// Pods about to be replaced (`stale`: a new Secret's roll) are left to the roll.
-pub async fn reload(pods: &Pods, stale: &[NodeRef], dial: &Dial, secret: &str) -> Reload {
+/// Pods about to be replaced (`stale`: a new Secret's roll) are left to the roll, and nodes
+/// this look already saw present the Secret's certificate (`current`: formation's
+/// connections, [`crate::formation::NodeState::current_certificate`]) are not dialled again:
+/// once every node is current, a look costs no connection of its own.
+pub async fn reload(
+    pods: &Pods,
+    stale: &[NodeRef],
+    current: impl Fn(NodeRef) -> bool,
+    dial: &Dial,
+    secret: &str,
+) -> Reload {
     let mut reload = Reload::default();
     let Some(want) = dial.tls.as_ref().and_then(Tls::certificate) else {
         return reload;
     };
-    for (node, pod) in pods.nodes.iter().filter(|(n, _)| !stale.contains(n)) {
+    let due = |n: &NodeRef| !stale.contains(n) && !current(*n);
+    for (node, pod) in pods.nodes.iter().filter(|(n, _)| due(n)) {
         let Some(addr) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
             continue;
         };
@@ -341,7 +351,11 @@ mod tests {
             behind: vec![node],
             ..Reload::default()
         };
-        assert_eq!(reload(&pods, &[], &dial, "vc-tls").await, behind);
+        let no = |_| false;
+        assert_eq!(reload(&pods, &[], no, &dial, "vc-tls").await, behind);
+        // A node this look already saw present the Secret's certificate is not asked
+        // again (here it does not, so asking would find it behind).
+        assert_eq!(reload(&pods, &[], |_| true, &dial, "vc-tls").await, nothing);
         assert_eq!(
             presented().await,
             der(&old),
@@ -349,19 +363,19 @@ mod tests {
         );
 
         old.replace_with(&renewed).unwrap();
-        let changed = reload(&pods, &[], &dial, "vc-tls").await;
+        let changed = reload(&pods, &[], no, &dial, "vc-tls").await;
         assert_eq!(
             changed.changed,
             ["node 0-0 reloaded its certificate from Secret vc-tls"]
         );
         assert!(changed.behind.is_empty());
         assert_eq!(presented().await, der(&renewed));
-        assert_eq!(reload(&pods, &[], &dial, "vc-tls").await, nothing);
+        assert_eq!(reload(&pods, &[], no, &dial, "vc-tls").await, nothing);
         // A pod the roll replaces next is left to it.
-        assert_eq!(reload(&pods, &[node], &dial, "vc-tls").await, nothing);
+        assert_eq!(reload(&pods, &[node], no, &dial, "vc-tls").await, nothing);
         // A plain cluster has nothing to reload.
         assert_eq!(
-            reload(&pods, &[], &Dial::default(), "vc-tls").await,
+            reload(&pods, &[], no, &Dial::default(), "vc-tls").await,
             nothing
         );
     }

@@ -27,7 +27,7 @@ use shardgate_operator_e2e::external::{
 };
 use shardgate_operator_e2e::tls::{refuses_plain_and_anonymous, topology_over_tls, ClusterTls};
 use shardgate_operator_e2e::{
-    cluster_client, condition, create, eventually, pod_addrs, wait_ready, Operator,
+    cluster_client, condition, create, eventually, pod_addrs, reconcile_again, wait_ready, Operator,
 };
 
 fn main() -> ExitCode {
@@ -1793,6 +1793,39 @@ async fn announce_tls(env: TestEnv) -> Result<()> {
         .filter(|e| e.reason.as_deref() == Some("CertificateReloaded"))
         .count();
     ensure!(reloaded > 0, "no CertificateReloaded event");
+
+    // With every node on the Secret's certificate, a look dials each node once (formation's
+    // connection shows the certificate), not a second time to check it. The node also
+    // counts ours and its readiness probe's (the harness probes every half second).
+    let ep: std::net::SocketAddr = external_addrs.first().context("an endpoint")?.parse()?;
+    let accepted = || async {
+        let mut c = Admin::dial(ep, &dial).await?;
+        let reply = c.command(["INFO", "stats"]).await?;
+        let text = match &reply {
+            shardgate_admin_client::Reply::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+            other => bail!("INFO stats: {other:?}"),
+        };
+        text.lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .context("total_connections_received")?
+            .trim()
+            .parse::<u64>()
+            .context("total_connections_received")
+    };
+    let vcs = Api::<ValkeyCluster>::namespaced(client.clone(), &ns);
+    let started = Instant::now();
+    let (looks_before, conns_before) = (operator.finished_reconciles(), accepted().await?);
+    for i in 0..12 {
+        reconcile_again(&vcs, &operator, "vc", 100 + i).await?;
+    }
+    let looks = operator.finished_reconciles() - looks_before;
+    let conns = accepted().await? - conns_before - 1;
+    let probes = started.elapsed().as_millis() as u64 / 500 + 2;
+    // One look may be under way at either end.
+    ensure!(
+        looks >= 12 && conns <= looks + 1 + probes,
+        "{conns} connections to {ep} over {looks} looks of the operator and {probes} probes"
+    );
 
     // Another Secret (same CA): every pod restarts onto it, one at a time with a failover
     // before each primary (all over TLS), and the keys written before are all there.
