@@ -948,7 +948,10 @@ impl Pairing {
                 // PING's reply in RESP2 subscribed mode is in band.
                 Some(PubSubKind::Pong) if ty == b'*' => {}
                 _ if ty == b'>' => return Answer::OutOfBand,
-                Some(PubSubKind::Message) => return Answer::OutOfBand,
+                // Only while subscribed: a subscribe's confirmation comes before any of its
+                // messages, so a message-shaped array before it is a command's reply (behind
+                // a quiet subscribe that Valkey refused without a word, say).
+                Some(PubSubKind::Message) if self.subscribed => return Answer::OutOfBand,
                 _ => {}
             }
         }
@@ -1496,6 +1499,27 @@ pub(crate) mod tests {
         // Its own reply skipped (a SKIP behind a SKIP): nothing to settle.
         let got = lost_after(b"CLIENT REPLY SKIP\r\nCLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n", &[b"$-1\r\n"]);
         assert_eq!(got, [None, None]);
+    }
+
+    /// A message-shaped array while the connection is not subscribed is a command's reply,
+    /// also behind a quiet subscribe that Valkey refused silently (two slots, its error
+    /// skipped): had it been accepted, its confirmation would have come first. Found by the
+    /// differential fuzzer: LRANGE's reply was taken as a message, and CLUSTER SHARDS's
+    /// reply then went out as LRANGE's, with the nodes' own addresses.
+    #[test]
+    fn a_message_shaped_reply_before_any_confirmation_is_in_band() {
+        let message: &[u8] = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$1\r\nx\r\n";
+        let answers = pair(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {a}s {b}s\r\nLRANGE l 0 -1\r\nCLUSTER SHARDS\r\n",
+            &[message, b"*0\r\n"],
+        );
+        assert_eq!(answers, [InBand(Expect::Other), InBand(Expect::ClusterShards)]);
+        // Subscribed, the same array is a message.
+        let answers = pair(
+            b"SUBSCRIBE ch\r\nPING\r\n",
+            &[b"*3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n", message, b"*2\r\n$4\r\npong\r\n$0\r\n\r\n"],
+        );
+        assert_eq!(answers, [OutOfBand, OutOfBand, InBand(Expect::Other)]);
     }
 
     /// A CLIENT REPLY entry is looked past by the other rules (found in review): the

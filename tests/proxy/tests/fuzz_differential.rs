@@ -8,8 +8,9 @@
 //! text and pub/sub words, keys of the other shard (`-MOVED`), MULTI/EXEC/DISCARD with
 //! errors inside, CLIENT REPLY in every form, HELLO 2/3 (also inside MULTI), the subscribe
 //! and unsubscribe commands with and without arguments, PUBLISH from the connection itself
-//! and from a second one, MONITOR, RESET, inline commands quoted as `sdssplitargs` reads
-//! them, and malformed commands. Each script is written in random pieces, and the proxy
+//! and from a second one, MONITOR, RESET, AUTH as a user whose ACL refuses the topology
+//! commands and HELLO (and back), inline commands quoted as `sdssplitargs` reads them, and
+//! malformed commands. Each script is written in random pieces, and the proxy
 //! reads with its smallest buffer, so that both directions split at random boundaries.
 //!
 //! `SHARDGATE_FUZZ_SECONDS` bounds the run (default 30: half with a fixed seed, half with a
@@ -36,6 +37,8 @@ use tokio::task::block_in_place;
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
 /// The seed every run starts with, so that CI always covers the same scripts too.
 const FIXED_SEED: u64 = 0x5eed_0012_d1ff_0001;
+/// The user scripts may AUTH as, whose ACL refuses the topology commands and HELLO.
+const LIMITED: &str = "limited";
 /// How long a direct run waits for the reply to the PING sent before a PUBLISH from the
 /// second connection. No reply by then means the connection answers nothing now (CLIENT
 /// REPLY OFF, a transaction): that PUBLISH is left out of both runs.
@@ -96,6 +99,16 @@ impl Fixture {
                 (cluster.node(n).addr(), layout.port(n).unwrap())
             })
             .collect();
+        // A user whose ACL refuses the topology commands and HELLO (`-NOPERM` where a
+        // rewritten reply or a protocol switch is due), which scripts AUTH as.
+        block_in_place(|| {
+            let acl = [
+                "ACL", "SETUSER", LIMITED, "on", "nopass", "~*", "&*", "+@all", "-cluster",
+                "-role", "-info", "-hello",
+            ];
+            cluster.node(NodeRef::new(0, 0)).query::<()>(&acl)
+        })
+        .unwrap();
         let mut ids: Vec<(String, NodeRef)> = cluster.ids().into_iter().collect();
         ids.sort_by_key(|(_, n)| (n.shard.0, n.node.0));
         let ids = ids.into_iter().map(|(id, _)| id).collect();
@@ -543,7 +556,7 @@ impl Grammar<'_> {
     /// One command's arguments.
     fn command(&self, rng: &mut Rng) -> Vec<String> {
         let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
-        match rng.below(34) {
+        match rng.below(35) {
             0 => s(&["CLUSTER", "SLOTS"]),
             1 => s(&["CLUSTER", "SHARDS"]),
             2 => s(&["CLUSTER", "NODES"]),
@@ -637,6 +650,11 @@ impl Grammar<'_> {
             30 => s(&["NOSUCHCOMMAND", "a"]),
             31 => vec!["GET".into(), format!("{}a", self.f.remote)],
             32 => s(&["EXEC"]),
+            33 => vec![
+                "AUTH".into(),
+                self.pick(rng, &[LIMITED, LIMITED, "default"]).into(),
+                "x".into(),
+            ],
             _ => s(&["CLUSTER", "NODES"]),
         }
     }
