@@ -1,6 +1,6 @@
 //! What the operator remembers of each cluster from one reconcile to the next: counts
 //! (consecutive failures for the retry backoff, looks with nodes behind a renewed Secret)
-//! and the one-time warnings already published.
+//! and the warnings of lasting states already published (one per episode of each).
 //!
 //! Each entry is kept with the cluster's uid: a cluster deleted and made again under the
 //! same name starts afresh (its warnings are published again), and the entries of
@@ -83,6 +83,11 @@ impl<V: Default> PerCluster<V> {
 pub type Counts = PerCluster<u32>;
 
 impl Counts {
+    /// `vc`'s count as it stands.
+    pub fn get(&self, vc: &ValkeyCluster) -> u32 {
+        self.with(vc, |n| *n == 0, |n| *n)
+    }
+
     /// `vc`'s count, one more when `again`, else back to 0 (and forgotten).
     pub fn count(&self, vc: &ValkeyCluster, again: bool) -> u32 {
         self.with(
@@ -96,7 +101,7 @@ impl Counts {
     }
 }
 
-/// The one-time warnings published per cluster, by reason.
+/// The warnings of lasting states published per cluster, by reason: one per episode.
 pub type Warnings = PerCluster<HashSet<&'static str>>;
 
 impl Warnings {
@@ -151,8 +156,10 @@ mod tests {
         assert_eq!(counts.count(&a, false), 0);
         assert_eq!(counts.count(&a, true), 1);
         assert_eq!(counts.count(&b, true), 2);
+        assert_eq!((counts.get(&a), counts.get(&b)), (1, 2), "as they stand");
         counts.count(&a, false);
         counts.count(&b, false);
+        assert_eq!(counts.get(&a), 0);
         assert!(counts.is_empty(), "forgotten at 0");
     }
 

@@ -99,6 +99,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         on_plain = plain;
         &on_plain
     } else {
+        ctx.warned.cleared(vc, "TLSNotApplied");
         vc
     };
     vc.spec
@@ -299,11 +300,14 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
         })
         .copied()
         .collect();
-    // What those pods are to restart for, in words, for status and events.
-    let changes = statefulset::changed(stale.iter().filter_map(|n| {
-        let pod = pods.nodes.get(n)?;
-        Some((pod.config_parts.as_deref(), parts.get(n)?.as_str()))
-    }));
+    // What pods are to restart for, in words, for status and events.
+    let changes_of = |nodes: &[shardgate_crds::NodeRef]| {
+        statefulset::changed(nodes.iter().filter_map(|n| {
+            let pod = pods.nodes.get(n)?;
+            Some((pod.config_parts.as_deref(), parts.get(n)?.as_str()))
+        }))
+    };
+    let changes = changes_of(&stale);
     // A Secret renewed in place: the nodes read their files again (no restart).
     if let Some(tls) = &vc.spec.tls {
         let current = |n: shardgate_crds::NodeRef| match &progress {
@@ -315,10 +319,17 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             info!(cluster = %name, "{what}");
             publish(ctx, vc, EventType::Normal, "CertificateReloaded", what).await;
         }
-        let looks = ctx.reload_behind.count(vc, !reload.behind.is_empty());
-        if looks < crate::tls::BEHIND_LOOKS {
+        let looks = match (reload.behind.is_empty(), reload.unchecked.is_empty()) {
+            (false, _) => ctx.reload_behind.count(vc, true),
+            (true, true) => ctx.reload_behind.count(vc, false),
+            // Nodes not reached this look may still be behind: the count stands.
+            (true, false) => ctx.reload_behind.get(vc),
+        };
+        if looks == 0 {
             ctx.warned.cleared(vc, "CertificateNotReloaded");
-        } else if ctx.warned.first(vc, "CertificateNotReloaded") {
+        } else if looks >= crate::tls::BEHIND_LOOKS
+            && ctx.warned.first(vc, "CertificateNotReloaded")
+        {
             let nodes: Vec<String> = reload.behind.iter().map(|n| n.to_string()).collect();
             let note = format!(
                 "node(s) {} still present another certificate than Secret {}'s after {looks} \
@@ -332,7 +343,7 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
     }
     let mut rolled = false;
     if let Progress::Formed(formed) = &progress {
-        let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale, &changes).await?;
+        let step = rolling::step(vc, ctx, &dial, &pods, formed, &stale, changes_of).await?;
         rolled = step.is_some();
         if !matches!(step, Some(rolling::Step::Blocked(_))) {
             ctx.warned.cleared(vc, "RollingBlocked");
@@ -425,6 +436,7 @@ pub fn error_policy(vc: Arc<ValkeyCluster>, error: &Error, ctx: Arc<Context>) ->
         })
         .inc();
     let n = ctx.backoff.count(&vc, true);
+    ctx.forget_gone();
     let delay = Duration::from_secs(1u64 << n.min(8)).min(Duration::from_secs(300));
     warn!(cluster = %vc.name_any(), retry_in = ?delay, "reconcile failed: {error}");
     Action::requeue(delay)

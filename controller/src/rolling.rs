@@ -85,7 +85,7 @@ pub async fn step(
     pods: &Pods,
     formed: &Formed,
     stale: &[NodeRef],
-    changes: &str,
+    changes: impl Fn(&[NodeRef]) -> String,
 ) -> Result<Option<Step>> {
     if stale.is_empty() || pods.nodes.values().any(|p| !p.ready || p.deleting) {
         return Ok(None);
@@ -107,7 +107,8 @@ pub async fn step(
                 "a replica"
             };
             Ok(Some(Step::Acted(format!(
-                "restarted pod {pod} (node {node}, {what}) for the new {changes}"
+                "restarted pod {pod} (node {node}, {what}) for the new {}",
+                changes(&[node])
             ))))
         }
         Next::FailOver { replica, node } => {
@@ -133,10 +134,11 @@ pub async fn step(
             let names: Vec<String> = nodes.iter().map(NodeRef::to_string).collect();
             Ok(Some(Step::Blocked(format!(
                 "node(s) {} are their shards' only copy and keep their data in the pod (no \
-                 spec.persistence): restarting them for the new {changes} would lose their keys, \
+                 spec.persistence): restarting them for the new {} would lose their keys, \
                  so the roll stops here. Add a replica (spec.replicas: 1) and it goes on, or \
                  delete the pod(s) to accept the loss",
-                names.join(", ")
+                names.join(", "),
+                changes(&nodes)
             ))))
         }
     }

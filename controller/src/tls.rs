@@ -150,6 +150,7 @@ pub async fn reload(
     let due = |n: &NodeRef| !stale.contains(n) && !current(*n);
     for (node, pod) in pods.nodes.iter().filter(|(n, _)| due(n)) {
         let Some(addr) = pod.addr.filter(|_| pod.ready && !pod.deleting) else {
+            reload.unchecked.push(*node);
             continue;
         };
         let presents = |c: &Client| c.peer_certificate() == Some(want);
@@ -193,7 +194,10 @@ pub async fn reload(
             )),
             Ok(Some(false)) => reload.behind.push(*node),
             Ok(None) => {}
-            Err(e) => tracing::debug!(%node, "certificate reload: {e}"),
+            Err(e) => {
+                tracing::debug!(%node, "certificate reload: {e}");
+                reload.unchecked.push(*node);
+            }
         }
     }
     reload
@@ -207,6 +211,8 @@ pub struct Reload {
     /// Nodes told to read their files that still present another certificate: their files
     /// are not the Secret's yet, or Valkey refused them (its log says why).
     pub behind: Vec<NodeRef>,
+    /// Nodes not reached this look (no ready pod, no answer): behind or not, unknown.
+    pub unchecked: Vec<NodeRef>,
 }
 
 /// Looks in a row with nodes [`Reload::behind`] before a Warning says so: five minutes at a
@@ -371,6 +377,19 @@ mod tests {
         assert!(changed.behind.is_empty());
         assert_eq!(presented().await, der(&renewed));
         assert_eq!(reload(&pods, &[], no, &dial, "vc-tls").await, nothing);
+        // A node whose pod is not ready is not reached: neither behind nor current.
+        let mut not_ready = pods.clone();
+        if let Some(p) = not_ready.nodes.get_mut(&node) {
+            p.ready = false;
+        }
+        let unchecked = Reload {
+            unchecked: vec![node],
+            ..Reload::default()
+        };
+        assert_eq!(
+            reload(&not_ready, &[], no, &dial, "vc-tls").await,
+            unchecked
+        );
         // A pod the roll replaces next is left to it.
         assert_eq!(reload(&pods, &[node], no, &dial, "vc-tls").await, nothing);
         // A plain cluster has nothing to reload.
