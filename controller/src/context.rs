@@ -6,12 +6,12 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::Store;
 use kube::Client;
 use shardgate_admin_client::Timeouts;
+use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 use crate::client::ApiTimeouts;
 use crate::external::gateway::GatewayApi;
 use crate::metrics::Metrics;
 use crate::per_cluster::{Counts, Warnings};
-use shardgate_crds::valkey_cluster::ValkeyCluster;
 
 /// The field manager of every object the operator applies (server-side apply).
 pub const FIELD_MANAGER: &str = "shardgate-operator";

@@ -74,6 +74,7 @@ impl<V: Default> PerCluster<V> {
         self.map.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
+    /// Whether no cluster has an entry.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
