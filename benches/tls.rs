@@ -33,7 +33,6 @@ use shardgate_harness::addr::free_port;
 use shardgate_harness::tls::TestPki;
 use shardgate_harness::tools::redis_benchmark;
 use shardgate_harness::valkey::Standalone;
-use shardgate_proxy::config::BackendTlsConfig;
 use shardgate_proxy::config::CertFiles;
 use shardgate_proxy::config::DetectLimits;
 use shardgate_proxy::config::{TlsConfig, TlsModeConfig};
@@ -231,7 +230,6 @@ fn main() {
                 client_ca: None,
             },
             reload: Duration::from_secs(5),
-            backend: BackendTlsConfig::Plain,
         },
         detect: DetectLimits::default(),
     });

@@ -97,7 +97,8 @@ impl Tls {
         self.certificate.as_deref()
     }
 
-    pub(crate) fn connector(&self) -> &TlsConnector {
+    /// The connector: the proxy's TLS legs to the nodes use it too.
+    pub fn connector(&self) -> &TlsConnector {
         &self.connector
     }
 }

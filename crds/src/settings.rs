@@ -267,18 +267,52 @@ pub struct ProxySettings {
     #[serde(serialize_with = "display")]
     pub tls_reload: humantime::Duration,
 
-    /// Terminate: the leg to the node, plain TCP or TLS (verified with --tls-backend-ca).
-    #[arg(long, value_enum, default_value_t = TlsBackend::Plain, help_heading = "TLS port (SNI)")]
+    /// The legs to the nodes, from the node ports and from a terminating TLS port: plain
+    /// TCP, or TLS (for nodes that speak TLS; verified with --tls-backend-ca). Over TLS the
+    /// proxy dials each node's TLS address (a route's tlsAddress, else its address), and the
+    /// nodes are asked for the topology over TLS too. A passthrough TLS port is not
+    /// affected: the client's own TLS goes to the node.
+    #[arg(long, value_enum, default_value_t = TlsBackend::Plain, help_heading = "Nodes over TLS")]
     pub tls_backend: TlsBackend,
 
     /// With --tls-backend tls: the CA bundle (PEM) the nodes' certificates are checked against.
-    #[arg(long, value_name = "FILE", help_heading = "TLS port (SNI)")]
+    #[arg(long, value_name = "FILE", help_heading = "Nodes over TLS")]
     pub tls_backend_ca: Option<PathBuf>,
 
     /// With --tls-backend tls: the name checked on every node's certificate (default: each
-    /// node's SNI name, <prefix>-<s>-<n>.<domain>).
-    #[arg(long, value_name = "NAME", help_heading = "TLS port (SNI)")]
+    /// node's SNI name, <prefix>-<s>-<n>.<domain>, which needs --tls-port).
+    #[arg(
+        long,
+        value_name = "NAME",
+        conflicts_with = "tls_backend_chain_only",
+        help_heading = "Nodes over TLS"
+    )]
     pub tls_backend_name: Option<String>,
+
+    /// With --tls-backend tls: check only that each node's certificate leads to
+    /// --tls-backend-ca, not the name on it. For nodes dialled at addresses no certificate
+    /// names, such as pod IPs (Valkey's nodes check each other so on the cluster bus).
+    #[arg(long, help_heading = "Nodes over TLS")]
+    pub tls_backend_chain_only: bool,
+
+    /// With --tls-backend tls: the client certificate chain (PEM, leaf first) shown to
+    /// nodes that ask for one (Valkey does by default: tls-auth-clients yes).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_backend_key",
+        help_heading = "Nodes over TLS"
+    )]
+    pub tls_backend_cert: Option<PathBuf>,
+
+    /// With --tls-backend tls: the client certificate's private key (PEM).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_backend_cert",
+        help_heading = "Nodes over TLS"
+    )]
+    pub tls_backend_key: Option<PathBuf>,
 
     /// A client that has not sent its whole ClientHello (or finished the handshake) after
     /// this long is closed.
@@ -552,6 +586,9 @@ mod tests {
             tls_backend: TlsBackend::Tls,
             tls_backend_ca: Some("/etc/tls/backend-ca.crt".into()),
             tls_backend_name: Some("valkey.internal".into()),
+            tls_backend_chain_only: false,
+            tls_backend_cert: Some("/etc/backend-tls/tls.crt".into()),
+            tls_backend_key: Some("/etc/backend-tls/tls.key".into()),
             tls_hello_timeout: Duration::from_secs(2).into(),
             tls_max_hello: 2048,
             tls_max_handshakes: 64,

@@ -18,13 +18,13 @@ use crate::config::{ProxyConfig, SourceConfig, TlsModeConfig};
 use crate::conn::listener::PerSource;
 use crate::conn::tls_port::TlsMode;
 use crate::conn::{Forwarder, HardStop, Listeners, TlsServer};
-use crate::dial::{BackendTls, Dialer, Resolver};
+use crate::dial::{BackendTlsConfig, Dialer, Resolver};
 use crate::metrics::Metrics;
 use crate::rewrite::addresses::UnknownAddresses;
 use crate::source::{
     file, FileSource, PublishError, RoutePublisher, RouteRx, RouteSource, SeedSource,
 };
-use crate::tls::certs;
+use crate::tls::certs::{self, Reloadable};
 use crate::tls::select::Selector;
 
 /// Why the proxy could not start.
@@ -41,6 +41,8 @@ pub enum StartError {
     },
     #[error("TLS port: {0}")]
     Tls(#[from] crate::tls::certs::CertError),
+    #[error("nodes over TLS (--tls-backend tls): {0}")]
+    BackendTls(crate::tls::certs::CertError),
     #[error("TLS port: cannot listen on {addr}: {source}")]
     TlsListen {
         addr: SocketAddr,
@@ -122,34 +124,41 @@ impl Proxy {
                     .map_err(|source| StartError::TlsListen { addr, source })?;
                 let mode = match &tls.mode {
                     TlsModeConfig::Passthrough => (TlsMode::Passthrough, None),
-                    TlsModeConfig::Terminate {
-                        files,
-                        reload,
-                        backend,
-                    } => {
+                    TlsModeConfig::Terminate { files, reload } => {
                         let (server, contents) = files.load()?;
                         let (cert_tx, cert_rx) = watch::channel(Arc::new(server));
-                        let backend = BackendTls::load(backend)?;
                         let reloader = certs::reload(
                             files.clone(),
                             contents,
                             cert_tx,
                             *reload,
-                            metrics.clone(),
+                            metrics.tls.reloads.clone(),
                             stop.clone(),
                         );
-                        (
-                            TlsMode::Terminate {
-                                config: cert_rx,
-                                backend,
-                            },
-                            Some(reloader),
-                        )
+                        (TlsMode::Terminate { config: cert_rx }, Some(reloader))
                     }
                 };
                 Some((listener, tls.clone(), mode))
             }
             None => None,
+        };
+
+        // The legs to the nodes over TLS: their files must load too.
+        let backend_tls = match &config.backend_tls {
+            BackendTlsConfig::Plain => None,
+            files => {
+                let (built, contents) = files.load().map_err(StartError::BackendTls)?;
+                let (tx, rx) = watch::channel(Arc::new(built));
+                tasks.push(tokio::spawn(certs::reload(
+                    files.clone(),
+                    contents,
+                    tx,
+                    config.backend_tls_reload,
+                    metrics.tls.backend_reloads.clone(),
+                    stop.clone(),
+                )));
+                Some(rx)
+            }
         };
 
         match config.source.clone() {
@@ -174,6 +183,7 @@ impl Proxy {
                     config.connect_timeout,
                     resolver.clone(),
                     config.rewrite,
+                    backend_tls.clone(),
                 );
                 metrics.routes.source_started(source.name());
                 tasks.push(tokio::spawn(source.run(publisher.clone(), stop.clone())));
@@ -199,6 +209,7 @@ impl Proxy {
                     config.connect_timeout,
                     resolver.clone(),
                     config.rewrite,
+                    backend_tls.clone(),
                 )
                 .await?;
                 metrics.routes.source_started(source.name());
@@ -213,6 +224,7 @@ impl Proxy {
         let connections = TaskTracker::new();
         let forwarder = Arc::new(Forwarder {
             dialer: Dialer::new(resolver, config.connect_timeout),
+            backend_tls,
             metrics: metrics.clone(),
             idle_timeout: config.idle_timeout,
             buffer_size: config.buffer_size,

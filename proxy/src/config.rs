@@ -12,6 +12,7 @@ use shardgate_crds::{Hostnames, ProxySettings};
 use crate::model::Backend;
 
 // The types of the configuration's fields, public here whatever else the crate keeps.
+pub use crate::dial::tls::{BackendName, Identity};
 pub use crate::dial::BackendTlsConfig;
 pub use crate::rewrite::stream::Limits;
 pub use crate::tls::certs::CertFiles;
@@ -35,11 +36,7 @@ pub enum TlsModeConfig {
     /// The TLS stream goes to the node untouched; the nodes speak TLS.
     Passthrough,
     /// The proxy terminates TLS with `files`, polled for changes every `reload`.
-    Terminate {
-        files: CertFiles,
-        reload: Duration,
-        backend: BackendTlsConfig,
-    },
+    Terminate { files: CertFiles, reload: Duration },
 }
 
 /// Where the route table comes from.
@@ -98,6 +95,11 @@ pub struct ProxyConfig {
     pub limits: Limits,
     /// The TLS port, if any.
     pub tls: Option<TlsConfig>,
+    /// The legs to the nodes: from the node ports, from a terminating TLS port, and
+    /// discovery's.
+    pub backend_tls: BackendTlsConfig,
+    /// How often the backend TLS files are checked for changes.
+    pub backend_tls_reload: Duration,
     /// TLS port connections still reading their hello or in the handshake, at most: a
     /// budget of their own, so that slow hellos cannot take the connections the node ports
     /// need. A connection takes one of `max_connections` once its handshake is done.
@@ -134,6 +136,15 @@ pub enum ConfigError {
     NoCertificate,
     #[error("--tls-backend tls needs --tls-backend-ca")]
     NoBackendCa,
+    #[error("{0} is for --tls-backend tls")]
+    BackendTlsOnly(&'static str),
+    #[error(
+        "--tls-backend tls needs a name to check on the nodes' certificates: \
+         --tls-backend-name, --tls-backend-chain-only, or --tls-port with its SNI names"
+    )]
+    NoBackendName,
+    #[error("--tls-backend-cert and --tls-backend-key go together")]
+    HalfAnIdentity,
 }
 
 impl ProxyConfig {
@@ -203,6 +214,8 @@ impl ProxyConfig {
                 ..Limits::default()
             },
             tls: tls_config(settings)?,
+            backend_tls: backend_tls_config(settings)?,
+            backend_tls_reload: *settings.tls_reload,
             tls_max_handshakes: settings.tls_max_handshakes,
             tls_max_handshakes_per_source: settings.tls_max_handshakes_per_source,
         })
@@ -250,7 +263,6 @@ fn tls_config(s: &ProxySettings) -> Result<Option<TlsConfig>, ConfigError> {
             (s.tls_cert.is_some(), "--tls-cert"),
             (s.tls_key.is_some(), "--tls-key"),
             (s.tls_client_ca.is_some(), "--tls-client-ca"),
-            (s.tls_backend_ca.is_some(), "--tls-backend-ca"),
         ] {
             if set {
                 return Err(ConfigError::NeedsTlsPort(flag));
@@ -268,7 +280,6 @@ fn tls_config(s: &ProxySettings) -> Result<Option<TlsConfig>, ConfigError> {
                 (s.tls_cert.is_some(), "--tls-cert"),
                 (s.tls_key.is_some(), "--tls-key"),
                 (s.tls_client_ca.is_some(), "--tls-client-ca"),
-                (s.tls_backend == TlsBackend::Tls, "--tls-backend tls"),
             ] {
                 if set {
                     return Err(ConfigError::TerminateOnly(flag));
@@ -280,13 +291,6 @@ fn tls_config(s: &ProxySettings) -> Result<Option<TlsConfig>, ConfigError> {
             let (Some(cert), Some(key)) = (s.tls_cert.clone(), s.tls_key.clone()) else {
                 return Err(ConfigError::NoCertificate);
             };
-            let backend = match s.tls_backend {
-                TlsBackend::Plain => BackendTlsConfig::Plain,
-                TlsBackend::Tls => BackendTlsConfig::Tls {
-                    ca: s.tls_backend_ca.clone().ok_or(ConfigError::NoBackendCa)?,
-                    server_name: s.tls_backend_name.clone(),
-                },
-            };
             TlsModeConfig::Terminate {
                 files: CertFiles {
                     cert,
@@ -294,7 +298,6 @@ fn tls_config(s: &ProxySettings) -> Result<Option<TlsConfig>, ConfigError> {
                     client_ca: s.tls_client_ca.clone(),
                 },
                 reload: *s.tls_reload,
-                backend,
             }
         }
     };
@@ -307,6 +310,45 @@ fn tls_config(s: &ProxySettings) -> Result<Option<TlsConfig>, ConfigError> {
             max_bytes: s.tls_max_hello,
         },
     }))
+}
+
+/// The legs to the nodes, checked for flags that need each other.
+fn backend_tls_config(s: &ProxySettings) -> Result<BackendTlsConfig, ConfigError> {
+    if s.tls_backend == TlsBackend::Plain {
+        for (set, flag) in [
+            (s.tls_backend_ca.is_some(), "--tls-backend-ca"),
+            (s.tls_backend_name.is_some(), "--tls-backend-name"),
+            (s.tls_backend_chain_only, "--tls-backend-chain-only"),
+            (s.tls_backend_cert.is_some(), "--tls-backend-cert"),
+            (s.tls_backend_key.is_some(), "--tls-backend-key"),
+        ] {
+            if set {
+                return Err(ConfigError::BackendTlsOnly(flag));
+            }
+        }
+        return Ok(BackendTlsConfig::Plain);
+    }
+    let ca = s.tls_backend_ca.clone().ok_or(ConfigError::NoBackendCa)?;
+    // clap refuses a name with --tls-backend-chain-only; settings built in code are checked
+    // here in the same order: a name given is checked.
+    let name = match (&s.tls_backend_name, s.tls_backend_chain_only, s.tls_port) {
+        (Some(n), _, _) => BackendName::Fixed(n.clone()),
+        (None, true, _) => BackendName::ChainOnly,
+        (None, false, Some(_)) => BackendName::Sni(Hostnames {
+            prefix: s.sni_prefix.clone().unwrap_or_default(),
+            domain: s.sni_domain.clone().unwrap_or_default(),
+        }),
+        (None, false, None) => return Err(ConfigError::NoBackendName),
+    };
+    let identity = match (&s.tls_backend_cert, &s.tls_backend_key) {
+        (Some(cert), Some(key)) => Some(Identity {
+            cert: cert.clone(),
+            key: key.clone(),
+        }),
+        (None, None) => None,
+        _ => return Err(ConfigError::HalfAnIdentity),
+    };
+    Ok(BackendTlsConfig::Tls { ca, name, identity })
 }
 
 #[cfg(test)]
@@ -359,10 +401,125 @@ mod tests {
                 ][..],
                 "--tls-mode terminate needs --tls-cert and --tls-key",
             ),
+            (
+                &["--routes", "r", "--tls-backend-ca", "ca"][..],
+                "--tls-backend-ca is for --tls-backend tls",
+            ),
+            (
+                &["--routes", "r", "--tls-backend-chain-only"][..],
+                "--tls-backend-chain-only is for --tls-backend tls",
+            ),
+            (
+                &[
+                    "--routes",
+                    "r",
+                    "--tls-backend",
+                    "tls",
+                    "--tls-backend-chain-only",
+                ][..],
+                "--tls-backend tls needs --tls-backend-ca",
+            ),
+            (
+                // Without a TLS port there are no SNI names to check.
+                &[
+                    "--routes",
+                    "r",
+                    "--tls-backend",
+                    "tls",
+                    "--tls-backend-ca",
+                    "ca",
+                ][..],
+                "--tls-backend tls needs a name to check",
+            ),
         ] {
             let err = config(args).unwrap_err().to_string();
             assert!(err.contains(want), "{args:?}: {err}");
         }
+    }
+
+    #[test]
+    fn the_legs_to_the_nodes_check_the_name_asked_for() {
+        let tls = [
+            "--routes",
+            "r",
+            "--tls-backend",
+            "tls",
+            "--tls-backend-ca",
+            "ca",
+        ];
+        let backend = |extra: &[&str]| {
+            let args: Vec<&str> = tls.iter().chain(extra).copied().collect();
+            config(&args).map(|c| c.backend_tls)
+        };
+        let name = |c: BackendTlsConfig| match c {
+            BackendTlsConfig::Tls { name, .. } => name,
+            BackendTlsConfig::Plain => panic!("plain"),
+        };
+        assert_eq!(
+            name(backend(&["--tls-backend-chain-only"]).unwrap()),
+            BackendName::ChainOnly
+        );
+        assert_eq!(
+            name(backend(&["--tls-backend-name", "valkey.internal"]).unwrap()),
+            BackendName::Fixed("valkey.internal".into())
+        );
+        let sni = [
+            "--tls-port",
+            "6380",
+            "--sni-prefix",
+            "vc",
+            "--sni-domain",
+            "d.test",
+            "--tls-mode",
+            "passthrough",
+        ];
+        assert_eq!(
+            name(backend(&sni).unwrap()),
+            BackendName::Sni(Hostnames {
+                prefix: "vc".into(),
+                domain: "d.test".into()
+            })
+        );
+        // Both: clap refuses them together.
+        let both = ["--tls-backend-chain-only", "--tls-backend-name", "n"];
+        let args: Vec<&str> = tls.iter().chain(&both).copied().collect();
+        assert!(
+            ProxySettings::try_parse_from(std::iter::once("shardgate-proxy").chain(args)).is_err()
+        );
+        // A client certificate: both files, or neither.
+        let with_cert = [
+            "--tls-backend-chain-only",
+            "--tls-backend-cert",
+            "c",
+            "--tls-backend-key",
+            "k",
+        ];
+        match backend(&with_cert).unwrap() {
+            BackendTlsConfig::Tls { identity, .. } => assert_eq!(
+                identity,
+                Some(Identity {
+                    cert: "c".into(),
+                    key: "k".into()
+                })
+            ),
+            BackendTlsConfig::Plain => panic!("plain"),
+        }
+        let half = ["--tls-backend-chain-only", "--tls-backend-cert", "c"];
+        let args: Vec<&str> = tls.iter().chain(&half).copied().collect();
+        assert!(
+            ProxySettings::try_parse_from(std::iter::once("shardgate-proxy").chain(args)).is_err()
+        );
+        let mut settings = ProxySettings::try_parse_from(
+            std::iter::once("shardgate-proxy")
+                .chain(tls)
+                .chain(["--tls-backend-chain-only"]),
+        )
+        .unwrap();
+        settings.tls_backend_key = Some("k".into());
+        assert_eq!(
+            ProxyConfig::from_settings(&settings).unwrap_err(),
+            ConfigError::HalfAnIdentity
+        );
     }
 
     #[test]

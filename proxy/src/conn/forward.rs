@@ -1,7 +1,7 @@
 //! One client connection: dial its node, then copy bytes both ways.
 //!
 //! [`Forwarder::serve`] is the per-port path: a plain `TcpStream` split in place, no
-//! wrapping. [`Forwarder::relay`] is the copy itself, generic over the two streams' halves,
+//! wrapping (with `--tls-backend tls`, the node's leg is a TLS stream). [`Forwarder::relay`] is the copy itself, generic over the two streams' halves,
 //! which the TLS port uses with TLS streams (see [`super::tls_port`]).
 //!
 //! Both directions run the one copy loop (`copy`): read, let an `Observer` see the
@@ -26,11 +26,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 
-use super::buffers::{Buffer, Source};
+use super::buffers::{Buffer, Held, Source};
 use super::sink::Sink;
 use super::watch::{watch, Activity, HardStop, Watched};
-use crate::dial::{DialError, Dialer};
+use crate::dial::{BackendTls, BackendTlsRx, DialError, Dialer};
 use crate::metrics::{
     BytesLabels, KindLabels, Metrics, PerThreadCounter, PortLabels, ReasonLabels, RewriteLabels,
 };
@@ -155,6 +156,9 @@ pub enum Addresses {
 /// What every connection shares.
 pub struct Forwarder {
     pub dialer: Dialer,
+    /// The TLS legs to the nodes (`--tls-backend tls`), reloaded when their files change;
+    /// `None`: plain TCP.
+    pub backend_tls: Option<BackendTlsRx>,
     pub metrics: Arc<Metrics>,
     pub idle_timeout: Option<Duration>,
     pub buffer_size: usize,
@@ -267,6 +271,15 @@ impl Forwarder {
         port: u16,
         route: &Route,
     ) -> Result<Closed, ForwardError> {
+        let rewrite = route.rewrite.then_some(Addresses::Ports);
+        if let Some(tls) = &self.backend_tls {
+            let tls = tls.borrow().clone();
+            // Boxed for the same reason as below, and the handshake's state with it.
+            let backend = Box::pin(self.dial_tls(route, &tls)).await?;
+            let (cr, cw) = client.split();
+            let (br, bw) = tokio::io::split(backend);
+            return self.relay(port, rewrite, cr, cw, Held(br), bw).await;
+        }
         // Boxed: resolving and dialing take a large future that a connection needs only
         // until it is connected.
         let mut backend = Box::pin(self.dialer.tcp(&route.backend))
@@ -278,8 +291,27 @@ impl Forwarder {
         // The client socket has its options from the listener (`dial::listen`).
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
-        let rewrite = route.rewrite.then_some(Addresses::Ports);
         self.relay(port, rewrite, cr, cw, br, bw).await
+    }
+
+    /// A TLS connection to `route`'s node at its TLS address (`tls_backend`, else its
+    /// address), its certificate checked as `tls` says.
+    pub async fn dial_tls(
+        &self,
+        route: &Route,
+        tls: &BackendTls,
+    ) -> Result<TlsStream<TcpStream>, ForwardError> {
+        let at = route.tls_backend();
+        let dial_error = |source| ForwardError::Dial {
+            backend: at.to_string(),
+            source,
+        };
+        let tcp = self.dialer.tcp(at).await.map_err(dial_error)?;
+        let name = tls.name_for(route.node, at).map_err(dial_error)?;
+        self.dialer
+            .tls(tcp, tls, name, at)
+            .await
+            .map_err(dial_error)
     }
 
     /// Copies client → backend and backend → client until both are done, the connection

@@ -38,11 +38,9 @@ use crate::tls::{Alert, NotTls, PrefixedIo};
 pub enum TlsMode {
     /// Forward the TLS stream untouched to the node's TLS address.
     Passthrough,
-    /// Terminate TLS here; `backend`: `None` for a plain backend leg.
-    Terminate {
-        config: ServerConfigRx,
-        backend: Option<BackendTls>,
-    },
+    /// Terminate TLS here, and dial the node as the forwarder does (plain, or TLS with
+    /// `--tls-backend tls`).
+    Terminate { config: ServerConfigRx },
 }
 
 /// Everything the TLS port's connections share.
@@ -139,7 +137,7 @@ impl TlsServer {
                 let outcome = self.passthrough(tcp, hello.prefix, &selected).await;
                 self.forwarder.closed(open, peer, &backend, outcome);
             }
-            TlsMode::Terminate { config, backend } => {
+            TlsMode::Terminate { config } => {
                 let acceptor = TlsAcceptor::from(config.borrow().clone());
                 let accept = acceptor.accept(PrefixedIo::new(hello.prefix, tcp));
                 let client = match tokio::time::timeout(self.limits.timeout, accept).await {
@@ -181,12 +179,13 @@ impl TlsServer {
                     .handshakes
                     .get_or_create(&TlsVersionLabels { version })
                     .inc();
+                let backend = self.forwarder.backend_tls.as_ref().map(|t| t.borrow().clone());
                 let shown = match backend {
                     Some(_) => first.tls_backend().clone(),
                     None => first.backend.clone(),
                 };
                 let open = self.forwarder.opened(self.port);
-                let outcome = self.terminate(client, backend.as_ref(), &selected).await;
+                let outcome = self.terminate(client, backend.as_deref(), &selected).await;
                 self.forwarder.closed(open, peer, &shown, outcome);
             }
         }
@@ -318,9 +317,7 @@ impl TlsServer {
                     backend: at.to_string(),
                     source,
                 };
-                let name = tls
-                    .name_for(self.selector.names(), route.node, at)
-                    .map_err(dial_error)?;
+                let name = tls.name_for(route.node, at).map_err(dial_error)?;
                 let backend = dialer.tls(tcp, tls, name, at).await.map_err(dial_error)?;
                 let rewrite = route.rewrite.then_some(Addresses::Sni);
                 let (br, bw) = tokio::io::split(backend);

@@ -2,7 +2,7 @@
 //! backend.
 //!
 //! - [`resolve`]: backends by DNS name, resolved at connect time (TTLs honoured).
-//! - [`tls`]: the TLS client of a TLS port's backend leg (`--tls-backend tls`).
+//! - [`tls`]: the TLS client of the legs to nodes that speak TLS (`--tls-backend tls`).
 //! - here: [`Dialer`] (resolve, connect under one timeout; then TLS if asked),
 //!   [`connect`] and [`listen`] with the sockets' options, and [`DialError`] with its metric
 //!   label.
@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 pub use resolve::Resolver;
-pub use tls::{BackendTls, BackendTlsConfig};
+pub use tls::{BackendTls, BackendTlsConfig, BackendTlsRx};
 
 use crate::model::{Backend, Route};
 
@@ -112,7 +112,7 @@ impl Dialer {
         backend: &Backend,
     ) -> Result<TlsStream<TcpStream>, DialError> {
         let shown = name.to_str().into_owned();
-        match tokio::time::timeout(self.connect_timeout, tls.connector.connect(name, tcp)).await {
+        match tokio::time::timeout(self.connect_timeout, tls.connector().connect(name, tcp)).await {
             Ok(Ok(s)) => Ok(s),
             Ok(Err(source)) => Err(DialError::Tls {
                 backend: backend.to_string(),

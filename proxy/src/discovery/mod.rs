@@ -16,12 +16,12 @@ pub mod views;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use shardgate_admin_client::{Client, Timeouts};
+use shardgate_admin_client::{Client, Dial, Timeouts};
 
 pub use assignment::Assignment;
 pub use views::{Answer, Choice, Refusal};
 
-use crate::dial::Resolver;
+use crate::dial::{BackendTlsRx, Resolver};
 use crate::model::Backend;
 
 /// Why discovery failed.
@@ -37,18 +37,23 @@ pub enum DiscoveryError {
     Ports(#[from] shardgate_crds::PortError),
 }
 
-/// Asks the node at `addr` for its id (`CLUSTER MYID`), with `timeout` to connect and as
-/// long again to answer.
+/// How discovery reaches a node: `timeout` to connect (and for the TLS handshake) and as
+/// long again for each reply; over TLS with the files in force when `tls` is given (the
+/// certificate's chain is checked, not its name: nodes are asked at their IPs).
+pub fn dial(timeout: Duration, tls: Option<&BackendTlsRx>) -> Dial {
+    Dial {
+        timeouts: Timeouts {
+            connect: timeout,
+            reply: timeout,
+        },
+        tls: tls.map(|t| t.borrow().admin.clone()),
+    }
+}
+
+/// Asks the node at `addr` for its id (`CLUSTER MYID`).
 #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
-pub async fn node_id(
-    addr: SocketAddr,
-    timeout: Duration,
-) -> Result<String, shardgate_admin_client::Error> {
-    let timeouts = Timeouts {
-        connect: timeout,
-        reply: timeout,
-    };
-    Client::connect(addr, timeouts).await?.cluster_myid().await
+pub async fn node_id(addr: SocketAddr, dial: &Dial) -> Result<String, shardgate_admin_client::Error> {
+    Client::dial(addr, dial).await?.cluster_myid().await
 }
 
 /// How many answers discovery compares, at most (more only cost time: one confused node
@@ -57,17 +62,12 @@ pub const ANSWERS: usize = 3;
 
 /// Asks the nodes at `candidates` (resolved in order, seeds first) what the cluster is, a
 /// few at a time until [`ANSWERS`] have answered or none is left, and chooses the view to
-/// route by ([`views::choose`]). Each node gets `timeout` to connect and as long again for
-/// each reply.
+/// route by ([`views::choose`]). Each node is reached as `dial` says ([`dial`]).
 pub async fn discover(
     resolver: &Resolver,
     candidates: &[Backend],
-    timeout: Duration,
+    dial: &Dial,
 ) -> Result<Choice, DiscoveryError> {
-    let timeouts = Timeouts {
-        connect: timeout,
-        reply: timeout,
-    };
     let mut errors = vec![];
     let mut addrs: Vec<SocketAddr> = vec![];
     for seed in candidates {
@@ -96,7 +96,8 @@ pub async fn discover(
         let mut asking = tokio::task::JoinSet::new();
         for (i, addr) in batch.iter().enumerate() {
             let addr = *addr;
-            asking.spawn(async move { (i, addr, ask(addr, timeouts).await) });
+            let dial = dial.clone();
+            asking.spawn(async move { (i, addr, ask(addr, &dial).await) });
         }
         // In the order asked, whatever order they answer in: ties go to the seeds.
         let mut batch_answers = vec![];
@@ -118,11 +119,8 @@ pub async fn discover(
 }
 
 /// One node's answer: who it is, its cluster state, `CLUSTER SHARDS` and `CLUSTER NODES`.
-async fn ask(
-    addr: SocketAddr,
-    timeouts: Timeouts,
-) -> Result<Answer, shardgate_admin_client::Error> {
-    let mut client = Client::connect(addr, timeouts).await?;
+async fn ask(addr: SocketAddr, dial: &Dial) -> Result<Answer, shardgate_admin_client::Error> {
+    let mut client = Client::dial(addr, dial).await?;
     let myself = client.cluster_myid().await?;
     let info = client.cluster_info().await?;
     let shards = client.cluster_shards().await?;

@@ -135,6 +135,8 @@ pub struct TlsMetrics {
     pub handshakes: Family<TlsVersionLabels, Counter>,
     /// Certificate and key reloads, by result (`ok`, `error`).
     pub reloads: Family<ReasonLabels, Counter>,
+    /// Reloads of the TLS legs to the nodes' files (`--tls-backend tls`), by result.
+    pub backend_reloads: Family<ReasonLabels, Counter>,
 }
 
 impl TlsMetrics {
@@ -270,6 +272,11 @@ impl Metrics {
             "tls_certificate_reloads",
             "TLS port: certificate/key reloads, by result",
             t.reloads.clone(),
+        );
+        r.register(
+            "backend_tls_reloads",
+            "Nodes over TLS: reloads of the CA and client certificate files, by result",
+            t.backend_reloads.clone(),
         );
         self
     }

@@ -70,6 +70,17 @@ impl<'f, 'a> MapRef<'f, 'a> {
         }
     }
 
+    /// Renames `from` to `to` in place (its value and its place kept), if it is there.
+    fn rename(&mut self, from: &[u8], to: &'static [u8]) {
+        if let Some(i) = self.index(from) {
+            let key = Frame::Bulk(Cow::Borrowed(to));
+            match self {
+                MapRef::Pairs(p) => p[i].0 = key,
+                MapRef::Flat(f) => f[2 * i] = key,
+            }
+        }
+    }
+
     fn set(&mut self, key: &[u8], value: Frame<'a>) {
         if let Some(i) = self.index(key) {
             *self.value_mut(i) = value;
@@ -294,9 +305,11 @@ pub fn shards(map: &AddressMap, f: &mut Frame<'_>, report: &mut Report) {
                 // The node's TLS port is internal, and this listener forwards its plain port.
                 m.remove(b"tls-port");
             } else {
-                // A node that speaks TLS only: its listener forwards those bytes unchanged,
-                // so the listener is where a client finds its TLS port.
-                m.set(b"tls-port", int(ext.port));
+                // A node that speaks TLS only, reached over TLS by the proxy (or a TLS
+                // terminator before it): the client on this listener speaks plain, so it
+                // reads `port`, in the place Valkey put `tls-port`.
+                m.rename(b"tls-port", b"port");
+                m.set(b"port", int(ext.port));
             }
             if let Some(e) = m.index(b"endpoint") {
                 if !special_endpoint(m.value(e)) {

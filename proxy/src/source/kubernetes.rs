@@ -31,7 +31,7 @@ use futures_util::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, watcher, Event};
 use kube::{Api, Client};
-use shardgate_admin_client::ShardView;
+use shardgate_admin_client::{Dial, ShardView};
 use shardgate_crds::names::{labels, objects};
 use shardgate_crds::ports::CLIENT_PORT;
 use shardgate_crds::{NodeRef, PortLayout};
@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{RoutePublisher, RouteSource};
-use crate::dial::Resolver;
+use crate::dial::{BackendTlsRx, Resolver};
 use crate::discovery::{self, DiscoveryError};
 use crate::model::{Backend, Route, Routes};
 
@@ -334,13 +334,14 @@ struct Answers {
 }
 
 /// Asks every node its id, and the first of them that answers CLUSTER SHARDS.
-async fn ask(nodes: Vec<PodNode>, resolver: Resolver, timeout: Duration) -> Answers {
+async fn ask(nodes: Vec<PodNode>, resolver: Resolver, dial: Dial) -> Answers {
     let mut ids = JoinSet::new();
     for pod in nodes.clone() {
-        ids.spawn(async move { (pod, discovery::node_id(pod.addr, timeout).await) });
+        let dial = dial.clone();
+        ids.spawn(async move { (pod, discovery::node_id(pod.addr, &dial).await) });
     }
     let candidates: Vec<Backend> = nodes.iter().map(|p| Backend::ip(p.addr)).collect();
-    let shards = discovery::discover(&resolver, &candidates, timeout)
+    let shards = discovery::discover(&resolver, &candidates, &dial)
         .await
         .map(|c| c.shards);
     let mut answers = Answers {
@@ -369,6 +370,8 @@ pub struct KubernetesSource {
     /// The admin client's connect and reply timeouts.
     timeout: Duration,
     resolver: Resolver,
+    /// Nodes that speak TLS (on the client port): asked over TLS.
+    tls: Option<BackendTlsRx>,
 }
 
 impl KubernetesSource {
@@ -393,6 +396,7 @@ impl KubernetesSource {
         timeout: Duration,
         resolver: Resolver,
         rewrite: bool,
+        tls: Option<BackendTlsRx>,
     ) -> Result<Self, KubeError> {
         let mut config = kube::Config::infer().await.map_err(KubeError::Config)?;
         // kube's default is none: a list on a connection gone silent would wait for ever.
@@ -415,6 +419,7 @@ impl KubernetesSource {
             timeout,
             resolver,
             rewrite,
+            tls,
         ))
     }
 
@@ -432,6 +437,7 @@ impl KubernetesSource {
         timeout: Duration,
         resolver: Resolver,
         rewrite: bool,
+        tls: Option<BackendTlsRx>,
     ) -> Self {
         let mut selector = labels::cluster_selector(&cluster);
         if let Some(extra) = extra_selector.map(str::trim).filter(|s| !s.is_empty()) {
@@ -447,6 +453,7 @@ impl KubernetesSource {
             watch,
             timeout,
             resolver,
+            tls,
         }
     }
 }
@@ -631,7 +638,8 @@ impl RouteSource for KubernetesSource {
                     let mut nodes: Vec<PodNode> = run.pods.nodes.values().copied().collect();
                     nodes.sort_by_key(|p| !run.known.confirmed(p));
                     if !nodes.is_empty() {
-                        let round = ask(nodes, self.resolver.clone(), self.timeout);
+                        let dial = discovery::dial(self.timeout, self.tls.as_ref());
+                        let round = ask(nodes, self.resolver.clone(), dial);
                         asking = Some(tokio::spawn(round));
                     }
                 }

@@ -16,7 +16,7 @@ use shardgate_crds::PortLayout;
 use tokio_util::sync::CancellationToken;
 
 use super::{RoutePublisher, RouteSource};
-use crate::dial::Resolver;
+use crate::dial::{BackendTlsRx, Resolver};
 use crate::discovery::{self, Assignment, DiscoveryError, Refusal};
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::model::{Backend, Route, Routes};
@@ -30,6 +30,8 @@ pub struct SeedSource {
     interval: Duration,
     timeout: Duration,
     resolver: Resolver,
+    /// Nodes that speak TLS: asked over TLS, at their TLS addresses.
+    tls: Option<BackendTlsRx>,
     assignment: Assignment,
     /// The answers the last discovery did not use, so that a change is logged once.
     refused: Vec<(SocketAddr, Refusal)>,
@@ -38,6 +40,7 @@ pub struct SeedSource {
 }
 
 impl SeedSource {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         seeds: Vec<Backend>,
         base_port: u16,
@@ -46,9 +49,11 @@ impl SeedSource {
         timeout: Duration,
         resolver: Resolver,
         rewrite: bool,
+        tls: Option<BackendTlsRx>,
     ) -> Self {
         SeedSource {
             rewrite,
+            tls,
             seeds,
             base_port,
             ports_per_shard,
@@ -70,11 +75,17 @@ impl SeedSource {
     ) -> Result<(Routes, Vec<String>), DiscoveryError> {
         let mut candidates: Vec<Backend> = self.seeds.clone();
         for r in known.values() {
-            if !candidates.contains(&r.backend) {
-                candidates.push(r.backend.clone());
+            // Over TLS, a node is asked at its TLS address.
+            let at = match self.tls {
+                Some(_) => r.tls_backend(),
+                None => &r.backend,
+            };
+            if !candidates.contains(at) {
+                candidates.push(at.clone());
             }
         }
-        let choice = discovery::discover(&self.resolver, &candidates, self.timeout).await;
+        let dial = discovery::dial(self.timeout, self.tls.as_ref());
+        let choice = discovery::discover(&self.resolver, &candidates, &dial).await;
         let choice = match choice {
             Ok(c) => c,
             Err(e) => {

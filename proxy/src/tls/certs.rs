@@ -1,6 +1,7 @@
 //! Termination's certificate, key and optional client CA bundle: loaded from PEM files into a
 //! rustls `ServerConfig` (ring provider, TLS 1.2 and 1.3 only), and reloaded when a file's
-//! content changes.
+//! content changes; and the reload ([`reload`], [`Reloadable`]) that the TLS legs to the
+//! nodes use too ([`crate::dial::tls`]).
 //!
 //! The config in force sits in a `watch` channel. Each handshake takes the latest one when
 //! it starts, and a connection keeps the session it negotiated, so a reload drops nothing.
@@ -12,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
@@ -20,7 +23,7 @@ use shardgate_admin_client::pem;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::{Metrics, ReasonLabels};
+use crate::metrics::ReasonLabels;
 
 /// The files of a terminating TLS port.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,18 +101,57 @@ pub fn roots(path: &Path, pem: &[u8]) -> Result<RootCertStore, CertError> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Contents(Vec<Vec<u8>>);
 
-impl CertFiles {
-    /// Reads every file.
-    pub fn read(&self) -> Result<Contents, CertError> {
-        let mut all = vec![read(&self.cert)?, read(&self.key)?];
-        if let Some(ca) = &self.client_ca {
-            all.push(read(ca)?);
-        }
-        Ok(Contents(all))
+impl Contents {
+    /// Reads every file of `paths`, in order.
+    pub fn read(paths: &[&Path]) -> Result<Contents, CertError> {
+        paths.iter().map(|p| read(p)).collect::<Result<_, _>>().map(Contents)
     }
 
+    /// The content of the `i`th file.
+    pub fn get(&self, i: usize) -> Option<&Vec<u8>> {
+        self.0.get(i)
+    }
+}
+
+/// Files that make a TLS config, read again when they change ([`reload`]).
+pub trait Reloadable: Clone + Send + Sync + 'static {
+    /// What the files make.
+    type Built: Send + Sync + 'static;
+    /// Reads every file.
+    fn read(&self) -> Result<Contents, CertError>;
+    /// Builds the config from the files' contents.
+    fn build(&self, contents: &Contents) -> Result<Self::Built, CertError>;
+    /// What the log names.
+    fn describe(&self) -> String;
+
+    /// Reads and builds.
+    fn load(&self) -> Result<(Self::Built, Contents), CertError> {
+        let contents = self.read()?;
+        Ok((self.build(&contents)?, contents))
+    }
+}
+
+impl Reloadable for CertFiles {
+    type Built = ServerConfig;
+
+    fn read(&self) -> Result<Contents, CertError> {
+        let mut paths = vec![self.cert.as_path(), self.key.as_path()];
+        paths.extend(self.client_ca.as_deref());
+        Contents::read(&paths)
+    }
+
+    fn build(&self, contents: &Contents) -> Result<ServerConfig, CertError> {
+        self.server_config(contents)
+    }
+
+    fn describe(&self) -> String {
+        format!("TLS port certificate {}", self.cert.display())
+    }
+}
+
+impl CertFiles {
     /// Builds the server config from the files' contents.
-    pub fn build(&self, contents: &Contents) -> Result<ServerConfig, CertError> {
+    fn server_config(&self, contents: &Contents) -> Result<ServerConfig, CertError> {
         let [cert_pem, key_pem, rest @ ..] = &contents.0[..] else {
             return Err(CertError::Pem {
                 path: self.cert.clone(),
@@ -154,31 +196,23 @@ impl CertFiles {
             })
     }
 
-    /// Reads and builds.
-    pub fn load(&self) -> Result<(ServerConfig, Contents), CertError> {
-        let contents = self.read()?;
-        Ok((self.build(&contents)?, contents))
-    }
 }
 
 /// The config in force, and its changes.
 pub type ServerConfigRx = watch::Receiver<Arc<ServerConfig>>;
 
-/// Polls `files` every `interval` until `shutdown`, and publishes each version that loads.
-pub async fn reload(
-    files: CertFiles,
+/// Polls `files` every `interval` until `shutdown`, and publishes each version that loads,
+/// counting each in `reloads` (`ok`, `error`).
+pub async fn reload<R: Reloadable>(
+    files: R,
     mut seen: Contents,
-    tx: watch::Sender<Arc<ServerConfig>>,
+    tx: watch::Sender<Arc<R::Built>>,
     interval: Duration,
-    metrics: Arc<Metrics>,
+    reloads: Family<ReasonLabels, Counter>,
     shutdown: CancellationToken,
 ) {
     let count = |reason| {
-        metrics
-            .tls
-            .reloads
-            .get_or_create(&ReasonLabels { reason })
-            .inc();
+        reloads.get_or_create(&ReasonLabels { reason }).inc();
     };
     // The last content that failed, so that a bad version is reported once.
     let mut failed: Option<Contents> = None;
@@ -207,12 +241,12 @@ pub async fn reload(
                 seen = contents;
                 failed = None;
                 count("ok");
-                tracing::info!(cert = %files.cert.display(), "TLS certificate reloaded");
+                tracing::info!("{} reloaded", files.describe());
             }
             Err(e) => {
                 failed = Some(contents);
                 count("error");
-                tracing::error!("TLS certificate reload failed, keeping the one in force: {e}");
+                tracing::error!("{} reload failed, keeping the one in force: {e}", files.describe());
             }
         }
     }

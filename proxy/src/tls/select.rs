@@ -59,10 +59,6 @@ impl Selector {
         }
     }
 
-    pub fn names(&self) -> &Hostnames {
-        &self.names
-    }
-
     /// The routes `name` goes to in `table`.
     pub fn select(&self, table: &RouteTable, name: &str) -> Result<Selected, SelectError> {
         let target = self

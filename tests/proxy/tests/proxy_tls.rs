@@ -20,12 +20,15 @@ use shardgate_harness::clients::{cli, spread_keys};
 use shardgate_harness::http::{get, metric, metric_value};
 use shardgate_harness::stunnel::Stunnel;
 use shardgate_harness::tls::{self as ttls, command, text, CertPair, TestPki};
-use shardgate_harness::valkey::{key_slot, slot_tags, ClusterSpec, Standalone, ValkeyCluster};
-use shardgate_proxy::config::BackendTlsConfig;
+use shardgate_harness::valkey::{
+    key_slot, slot_tags, ClusterSpec, Standalone, ValkeyCluster, DEFAULT_PORT,
+};
 use shardgate_proxy::config::CertFiles;
 use shardgate_proxy::config::DetectLimits;
+use shardgate_proxy::config::{BackendName, BackendTlsConfig, Identity};
 use shardgate_proxy::config::{TlsConfig, TlsModeConfig};
 use shardgate_proxy::model::Backend;
+use shardgate_proxy::resp::{Scan, Scanner};
 use shardgate_proxy::tls::sni::testing::{client_hello, message, records};
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,11 +49,7 @@ fn name(s: u32, n: u32) -> String {
     node_hostname("vc", NodeRef::new(s, n), DOMAIN)
 }
 
-fn terminate(
-    cert: &CertPair,
-    client_ca: Option<PathBuf>,
-    backend: BackendTlsConfig,
-) -> TlsModeConfig {
+fn terminate(cert: &CertPair, client_ca: Option<PathBuf>) -> TlsModeConfig {
     TlsModeConfig::Terminate {
         files: CertFiles {
             cert: cert.cert.clone(),
@@ -58,7 +57,6 @@ fn terminate(
             client_ca,
         },
         reload: Duration::from_millis(100),
-        backend,
     }
 }
 
@@ -71,8 +69,19 @@ struct TlsProxy {
 
 impl TlsProxy {
     async fn start(source: SourceConfig, mode: TlsModeConfig, rewrite: bool) -> TlsProxy {
+        Self::start_with(source, mode, rewrite, BackendTlsConfig::Plain).await
+    }
+
+    /// With `backend`, the legs to the nodes.
+    async fn start_with(
+        source: SourceConfig,
+        mode: TlsModeConfig,
+        rewrite: bool,
+        backend: BackendTlsConfig,
+    ) -> TlsProxy {
         let port = free_port(LO);
         let mut config = ProxyConfig::new(source);
+        config.backend_tls = backend;
         config.listen_ip = LO.into();
         config.admin_addr = Some(SocketAddr::from((LO, 0)));
         config.rewrite = rewrite;
@@ -220,12 +229,7 @@ async fn terminate_routes_every_name_and_hands_out_sni_names() {
         ports_per_shard: None,
         refresh: Duration::from_secs(1),
     };
-    let p = TlsProxy::start(
-        source,
-        terminate(&cert, None, BackendTlsConfig::Plain),
-        true,
-    )
-    .await;
+    let p = TlsProxy::start(source, terminate(&cert, None), true).await;
     let config = pki.client_config(None);
 
     // Node names reach their node; the shard name its primary; the bootstrap name any node.
@@ -424,12 +428,7 @@ async fn refusals_are_clear_counted_and_dial_nothing() {
     // own connection count.
     let mut backend = CountedNode::start().await;
     let source = one_node_routes(pki.dir(), backend.addr());
-    let p = TlsProxy::start(
-        source,
-        terminate(&cert, None, BackendTlsConfig::Plain),
-        false,
-    )
-    .await;
+    let p = TlsProxy::start(source, terminate(&cert, None), false).await;
     let config = pki.client_config(None);
 
     // An unknown name and a name of a node that does not exist: unrecognized_name.
@@ -519,7 +518,7 @@ async fn certificate_errors_and_mtls() {
     let good = pki.wildcard("good").unwrap();
     let p = TlsProxy::start(
         one_node_routes(pki.dir(), backend),
-        terminate(&good, None, BackendTlsConfig::Plain),
+        terminate(&good, None),
         false,
     )
     .await;
@@ -537,7 +536,7 @@ async fn certificate_errors_and_mtls() {
     for (cert, want) in [(&mismatched, "not valid for name"), (&expired, "expired")] {
         let p = TlsProxy::start(
             one_node_routes(pki.dir(), backend),
-            terminate(cert, None, BackendTlsConfig::Plain),
+            terminate(cert, None),
             false,
         )
         .await;
@@ -552,7 +551,7 @@ async fn certificate_errors_and_mtls() {
     // mTLS: no client certificate, one from another CA, then a good one.
     let p = TlsProxy::start(
         one_node_routes(pki.dir(), backend),
-        terminate(&good, Some(pki.ca.clone()), BackendTlsConfig::Plain),
+        terminate(&good, Some(pki.ca.clone())),
         false,
     )
     .await;
@@ -587,7 +586,7 @@ async fn a_certificate_reload_during_traffic_drops_nothing() {
     let server = Standalone::start().unwrap();
     let p = TlsProxy::start(
         one_node_routes(pki.dir(), SocketAddr::from((LO, server.port))),
-        terminate(&cert, None, BackendTlsConfig::Plain),
+        terminate(&cert, None),
         false,
     )
     .await;
@@ -804,9 +803,10 @@ async fn terminate_with_tls_backends_and_rewriting() {
     let source = routes_file(pki.dir(), &cluster, &tls_addrs);
     let backend = BackendTlsConfig::Tls {
         ca: pki.ca.clone(),
-        server_name: None,
+        name: BackendName::Sni(names()),
+        identity: None,
     };
-    let p = TlsProxy::start(source, terminate(&cert, None, backend), true).await;
+    let p = TlsProxy::start_with(source, terminate(&cert, None), true, backend).await;
     let mut tls = ttls::connect(p.tls, &name(0, 0), pki.client_config(None))
         .await
         .unwrap();
@@ -828,10 +828,11 @@ async fn terminate_with_tls_backends_and_rewriting() {
     // A backend whose certificate does not match the name checked: a clear backend error.
     let backend = BackendTlsConfig::Tls {
         ca: pki.ca.clone(),
-        server_name: Some("wrong.other.test".into()),
+        name: BackendName::Fixed("wrong.other.test".into()),
+        identity: None,
     };
     let source = routes_file(pki.dir(), &cluster, &tls_addrs);
-    let p = TlsProxy::start(source, terminate(&cert, None, backend), false).await;
+    let p = TlsProxy::start_with(source, terminate(&cert, None), false, backend).await;
     let mut tls = ttls::connect(p.tls, &name(0, 0), pki.client_config(None))
         .await
         .unwrap();
@@ -877,7 +878,7 @@ async fn half_sent_hellos_cannot_lock_out_the_node_ports() {
     config.tls = Some(TlsConfig {
         port: tls_port,
         names: names(),
-        mode: terminate(&cert, None, BackendTlsConfig::Plain),
+        mode: terminate(&cert, None),
         // Far longer than the test: the slow hellos hold their place throughout.
         detect: DetectLimits {
             timeout: Duration::from_secs(300),
@@ -989,7 +990,7 @@ async fn one_client_address_cannot_take_the_whole_handshake_budget() {
     config.tls = Some(TlsConfig {
         port: tls_port,
         names: names(),
-        mode: terminate(&cert, None, BackendTlsConfig::Plain),
+        mode: terminate(&cert, None),
         detect: DetectLimits {
             timeout: Duration::from_secs(300),
             max_bytes: 16 * 1024,
@@ -1041,4 +1042,271 @@ async fn one_client_address_cannot_take_the_whole_handshake_budget() {
     );
     drop(slow);
     proxy.shutdown().await;
+}
+
+/// Sends `commands` pipelined and reads until one reply per command has come: the bytes.
+async fn pipeline<S>(stream: &mut S, commands: &[&[&str]]) -> Vec<u8>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut req = vec![];
+    for args in commands {
+        req.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+        for a in *args {
+            req.extend_from_slice(format!("${}\r\n{a}\r\n", a.len()).as_bytes());
+        }
+    }
+    stream.write_all(&req).await.unwrap();
+    let mut out = vec![];
+    let mut buf = [0u8; 4096];
+    let frames = |bytes: &[u8]| {
+        let mut s = Scanner::default();
+        let (mut i, mut n) = (0, 0);
+        while let Ok(Scan::Complete { end }) = s.scan(bytes, i) {
+            n += 1;
+            i = end;
+        }
+        n
+    };
+    while frames(&out) < commands.len() {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+            .await
+            .expect("replies within 10 s")
+            .unwrap();
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&out));
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
+/// The node ports in front of nodes that speak TLS (`--tls-backend tls`): clients speak
+/// plain RESP to the proxy, the proxy TLS to the nodes, showing its client certificate
+/// (Valkey asks for one: `tls-auth-clients yes`) and checking only the chain of theirs
+/// (nodes at addresses their certificate does not name). Replies are the node's, byte for
+/// byte, but for the topology, rewritten to the node ports; the files are reloaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_ports_reach_nodes_over_tls() {
+    let pki = TestPki::new(DOMAIN).unwrap();
+    // A name no node is dialled at: only the chain is checked.
+    let node_cert = pki.node_cert("nodes", &["valkey.internal".into()]).unwrap();
+    let good = pki.client_cert("proxy-good", "shardgate").unwrap();
+    let client_cert = pki.client_cert("proxy", "shardgate").unwrap();
+    let tls_port = DEFAULT_PORT + 1;
+    let spec = ClusterSpec::new(3, 0)
+        .with_config("tls-port", tls_port.to_string())
+        .with_config("tls-cert-file", node_cert.cert.display().to_string())
+        .with_config("tls-key-file", node_cert.key.display().to_string())
+        .with_config("tls-ca-cert-file", pki.ca.display().to_string());
+    let cluster = block_in_place(|| ValkeyCluster::start(spec)).unwrap();
+    let tls_addrs: Vec<SocketAddr> = cluster
+        .nodes()
+        .iter()
+        .map(|n| SocketAddr::from((n.ip(), tls_port)))
+        .collect();
+    let SourceConfig::File { path, poll } = routes_file(pki.dir(), &cluster, &tls_addrs) else {
+        unreachable!()
+    };
+    let routes =
+        shardgate_crds::RouteFile::from_yaml(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let base = u16::try_from(routes.base_port).unwrap();
+    let mut config = ProxyConfig::new(SourceConfig::File { path, poll });
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    config.rewrite = true;
+    config.advertise_host = Some("127.0.0.1".into());
+    config.drain_timeout = Duration::from_millis(200);
+    config.backend_tls_reload = Duration::from_millis(100);
+    config.backend_tls = BackendTlsConfig::Tls {
+        ca: pki.ca.clone(),
+        name: BackendName::ChainOnly,
+        identity: Some(Identity {
+            cert: client_cert.cert.clone(),
+            key: client_cert.key.clone(),
+        }),
+    };
+    let handle = Proxy::start(config).await.unwrap();
+    assert!(handle.wait_ready(Duration::from_secs(10)).await);
+    let admin = handle.admin_addr().unwrap();
+    let metrics = || get(admin, "/metrics").unwrap().1;
+    let backend_errors = || {
+        let m = metrics();
+        (0..3u16)
+            .flat_map(|i| ["tls", "io"].map(|kind| (base + i, kind)))
+            .map(|(port, kind)| {
+                metric(
+                    &m,
+                    &format!(
+                        "shardgate_proxy_backend_errors_total{{port=\"{port}\",kind=\"{kind}\"}}"
+                    ),
+                )
+                .unwrap_or(0.0)
+            })
+            .sum::<f64>()
+    };
+
+    // The same traffic straight to the node over TLS and through its node port in plain.
+    let tag = "{tls-legs}";
+    let owner = cluster.slot_owner(key_slot(tag.as_bytes())).unwrap();
+    let listener = base + owner.shard.0 as u16;
+    // Each path its own keys, in the same slot and of the same length.
+    let traffic = |p: &str| -> Vec<Vec<String>> {
+        let k = |name: &str| format!("{tag}{p}{name}");
+        [
+            vec!["PING".into()],
+            vec!["SET".into(), k("k"), "v1".into()],
+            vec!["GET".into(), k("k")],
+            vec!["INCR".into(), k("n")],
+            vec!["RPUSH".into(), k("l"), "a".into(), "b".into(), "c".into()],
+            vec!["LRANGE".into(), k("l"), "0".into(), "-1".into()],
+            vec!["GET".into(), k("missing")],
+            vec!["NOSUCHCOMMAND".into()],
+        ]
+        .into()
+    };
+    let (direct_cmds, proxied_cmds) = (traffic("d"), traffic("p"));
+    fn refs(cmds: &[Vec<String>]) -> Vec<Vec<&str>> {
+        cmds.iter()
+            .map(|c| c.iter().map(String::as_str).collect())
+            .collect()
+    }
+    let (d, p) = (refs(&direct_cmds), refs(&proxied_cmds));
+    let d: Vec<&[&str]> = d.iter().map(Vec::as_slice).collect();
+    let p: Vec<&[&str]> = p.iter().map(Vec::as_slice).collect();
+    let owner_tls = SocketAddr::from((cluster.node(owner).ip(), tls_port));
+    let mut node = ttls::connect(owner_tls, "valkey.internal", pki.client_config(Some(&good)))
+        .await
+        .unwrap();
+    let direct = pipeline(&mut node, &d).await;
+    let mut proxied = TcpStream::connect((LO, listener)).await.unwrap();
+    let through = pipeline(&mut proxied, &p).await;
+    assert_eq!(
+        String::from_utf8_lossy(&direct),
+        String::from_utf8_lossy(&through),
+        "the node's own bytes"
+    );
+    // The leg is the node's TLS port (the nodes listen in plain too, for the harness).
+    let info = pipeline(&mut proxied, &[&["CLIENT", "INFO"]]).await;
+    let laddr = format!("laddr={}:{tls_port} ", cluster.node(owner).ip());
+    let info = String::from_utf8_lossy(&info);
+    assert!(info.contains(&laddr), "{info}");
+    // A redirect: Valkey names the other owner at its TLS port, the proxy at its node port.
+    let slot = key_slot(b"{other}");
+    let other = cluster.slot_owner(slot).unwrap();
+    assert_ne!(other, owner, "the tags are in different shards");
+    let moved: &[&[&str]] = &[&["GET", "{other}k"]];
+    let at = |ip: String, port: u16| format!("-MOVED {slot} {ip}:{port}\r\n").into_bytes();
+    assert_eq!(
+        pipeline(&mut node, moved).await,
+        at(cluster.node(other).ip().to_string(), tls_port)
+    );
+    assert_eq!(
+        pipeline(&mut proxied, moved).await,
+        at("127.0.0.1".into(), base + other.shard.0 as u16)
+    );
+
+    // The topology, as a plain client on the node ports needs it: the listener as `port`,
+    // no `tls-port`, no node address.
+    let shards = pipeline(&mut proxied, &[&["CLUSTER", "SHARDS"]]).await;
+    let shards = String::from_utf8_lossy(&shards).into_owned();
+    for i in 0..3u16 {
+        assert!(
+            shards.contains(&format!("$4\r\nport\r\n:{}\r\n", base + i)),
+            "{shards}"
+        );
+    }
+    assert!(!shards.contains("tls-port"), "{shards}");
+    for n in cluster.nodes() {
+        assert!(!shards.contains(&n.ip().to_string()), "{shards}");
+    }
+    // A cluster client that knows only the proxy: every shard written where Valkey says.
+    let mut con = shardgate_harness::clients::cluster_client(base)
+        .await
+        .unwrap();
+    cross_shard_set_get(&mut con, "tls-legs").await;
+    drop(con);
+    block_in_place(|| landed_on_their_owners(&cluster, "tls-legs"));
+    assert_eq!(backend_errors(), 0.0);
+
+    // The proxy's certificate replaced with one the nodes' CA did not sign: reloaded, new
+    // connections are refused by the nodes (counted), the one already up goes on.
+    let stranger = TestPki::new(DOMAIN)
+        .unwrap()
+        .client_cert("stranger", "shardgate")
+        .unwrap();
+    client_cert.replace_with(&stranger).unwrap();
+    let reloads = |reason: &str| {
+        metric(
+            &metrics(),
+            &format!("shardgate_proxy_backend_tls_reloads_total{{reason=\"{reason}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads("ok") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the new certificate was not loaded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut refused = TcpStream::connect((LO, listener)).await.unwrap();
+    refused.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+    let closed = until_closed(&mut refused).await;
+    assert!(closed.is_empty(), "a refused leg sends nothing: {closed:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend_errors() < 1.0 {
+        assert!(Instant::now() < deadline, "the refused leg was not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(backend_errors(), 1.0);
+    assert_eq!(pipeline(&mut proxied, &[&["PING"]]).await, b"+PONG\r\n");
+
+    // Back to a certificate of the CA: new connections get through again.
+    client_cert.replace_with(&good).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads("ok") < 2.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the good certificate was not loaded again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut again = TcpStream::connect((LO, listener)).await.unwrap();
+    assert_eq!(pipeline(&mut again, &[&["PING"]]).await, b"+PONG\r\n");
+    assert_eq!(backend_errors(), 1.0);
+    handle.shutdown().await;
+
+    // Discovery over TLS: a seed that is a node's TLS port, asked CLUSTER SHARDS over TLS.
+    let base = free_port_range(LO, 3);
+    let mut config = ProxyConfig::new(SourceConfig::Seed {
+        seeds: vec![Backend::ip(tls_addrs[0])],
+        base_port: base,
+        ports_per_shard: None,
+        refresh: Duration::from_secs(5),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = None;
+    config.rewrite = true;
+    config.advertise_host = Some("127.0.0.1".into());
+    config.drain_timeout = Duration::from_millis(200);
+    config.backend_tls = BackendTlsConfig::Tls {
+        ca: pki.ca.clone(),
+        name: BackendName::ChainOnly,
+        identity: Some(Identity {
+            cert: good.cert.clone(),
+            key: good.key.clone(),
+        }),
+    };
+    let handle = Proxy::start(config).await.unwrap();
+    assert!(
+        handle.wait_ready(Duration::from_secs(10)).await,
+        "no route from a TLS seed"
+    );
+    let mut con = shardgate_harness::clients::cluster_client(base)
+        .await
+        .unwrap();
+    cross_shard_set_get(&mut con, "tls-seed").await;
+    drop(con);
+    block_in_place(|| landed_on_their_owners(&cluster, "tls-seed"));
+    handle.shutdown().await;
 }
