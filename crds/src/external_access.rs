@@ -113,9 +113,10 @@ impl NodeAddressType {
 
 string_enum! {
     /// What the proxy does with TLS on its SNI port. `passthrough`: the stream goes to the
-    /// node untouched (the nodes must speak TLS: `spec.tls` is required, which proxy mode
-    /// does not take yet, so it cannot be used for now). `terminate`: the proxy terminates TLS with
-    /// `secretName`'s certificate and talks to the node in plain.
+    /// node untouched (the nodes must speak TLS: `spec.tls` is required; the proxy cannot
+    /// rewrite what it cannot read, so topology replies name the pods). `terminate`: the
+    /// proxy terminates TLS with `secretName`'s certificate and talks to the node in plain,
+    /// or in TLS with `spec.tls`.
     pub enum ProxyTlsMode { Passthrough = "passthrough", Terminate = "terminate" }
     default = Terminate
 }

@@ -142,22 +142,6 @@ pub(crate) fn passthrough_rule() -> Rule {
     .reason(Reason::FieldValueForbidden)
 }
 
-/// Why `tls` is refused in proxy mode (the CEL message and [`SpecError`]'s).
-pub const TLS_WITH_PROXY_MODE: &str = "tls is not supported with externalAccess.mode proxy \
-    yet: the proxy dials the nodes in plain RESP; use mode announce (or a Gateway), or leave \
-    tls out and terminate TLS at the proxy (externalAccess.proxy.tls)";
-
-/// Nodes that speak TLS only cannot sit behind the proxy: it dials them in plain RESP.
-pub(crate) fn tls_proxy_mode_rule() -> Rule {
-    Rule::new(format!(
-        "!has(self.tls) || {} || self.externalAccess.mode != 'proxy'",
-        cel_absent("externalAccess.mode")
-    ))
-    .message(TLS_WITH_PROXY_MODE)
-    .field_path(".tls")
-    .reason(Reason::FieldValueForbidden)
-}
-
 /// No key of [`RESERVED_CONFIG_KEYS`] in `config`. Map lookups only, so that the API
 /// server's cost estimate stays constant (a `filter(...).join(...)` over the keys is
 /// estimated far past the budget), and a flat message expression listing the keys that are
@@ -224,8 +208,6 @@ pub enum SpecError {
     PassthroughWithoutTls,
     #[error("{VERIFY_CLIENTS_NEEDS_TERMINATE}")]
     VerifyClientsNeedsTerminate,
-    #[error("{TLS_WITH_PROXY_MODE}")]
-    TlsWithProxyMode,
     /// The reserved keys `config` sets, in [`RESERVED_CONFIG_KEYS`]' order.
     #[error("{RESERVED_CONFIG_MESSAGE}: {}", .0.join(" "))]
     ReservedConfigKeys(Vec<String>),
@@ -310,10 +292,6 @@ impl ValkeyClusterSpec {
                 return Err(SpecError::Empty {
                     field: "tls.secretName",
                 });
-            }
-            let proxy_mode = self.external_access.as_ref().map(|ea| ea.mode);
-            if proxy_mode == Some(ExternalAccessMode::Proxy) {
-                return Err(SpecError::TlsWithProxyMode);
             }
         }
         if let Some(ea) = &self.external_access {
@@ -625,14 +603,20 @@ mod tests {
                 .validate(),
             Err(SpecError::PassthroughWithoutTls)
         );
-        // Nodes on TLS cannot sit behind the proxy yet, passthrough or not; other modes
-        // take them.
+        // Nodes on TLS sit behind the proxy, passthrough or terminating, and any mode.
         assert_eq!(
             vc().tls("t")
-                .external(tls.proxy_tls(6380, ProxyTlsMode::Passthrough, None))
+                .external(tls.clone().proxy_tls(6380, ProxyTlsMode::Passthrough, None))
                 .spec
                 .validate(),
-            Err(SpecError::TlsWithProxyMode)
+            Ok(())
+        );
+        assert_eq!(
+            vc().tls("t")
+                .external(tls.proxy_tls(6380, ProxyTlsMode::Terminate, Some("s")))
+                .spec
+                .validate(),
+            Ok(())
         );
         assert_eq!(
             vc().tls("t")

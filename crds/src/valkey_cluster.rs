@@ -17,7 +17,7 @@ use crate::names::Hostnames;
 use crate::ports::{NodeRef, PortLayout};
 use crate::validation::{
     immutable, passthrough_rule, port_range_rule, proxy_tls_port_rule, reserved_config_rule,
-    tls_proxy_mode_rule, SpecError, BASE_PORT_FIELDS, MAX_SHARDS,
+    SpecError, BASE_PORT_FIELDS, MAX_SHARDS,
 };
 
 /// Defaults of the spec, applied by serde and written into the schema (so the API server
@@ -82,7 +82,6 @@ pub mod defaults {
         .field_path(".portsPerShard"),
     validation = proxy_tls_port_rule(),
     validation = passthrough_rule(),
-    validation = tls_proxy_mode_rule(),
     validation = Rule::new(
             "has(oldSelf.portsPerShard) \
              ? (has(self.portsPerShard) && self.portsPerShard == oldSelf.portsPerShard) \

@@ -223,18 +223,18 @@ fn other_create_rules_agree() {
             Some("tls"), // passthrough without spec.tls
         ),
         (
-            "passthrough with tls (nodes on TLS, not behind the proxy yet)",
+            "passthrough with tls (nodes on TLS behind the proxy)",
             base().tls("vc-tls").external(
                 ExternalAccess::proxy(31000)
                     .domain("example.com")
                     .proxy_tls(6380, ProxyTlsMode::Passthrough, None),
             ),
-            Some("tls is not supported with externalAccess.mode proxy yet"),
+            None,
         ),
         (
             "tls with proxy mode",
             base().tls("vc-tls").external(ExternalAccess::proxy(31000)),
-            Some("tls is not supported with externalAccess.mode proxy yet"),
+            None,
         ),
         (
             "tls with announce mode",

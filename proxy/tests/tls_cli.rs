@@ -38,8 +38,13 @@ fn help_explains_the_tls_port() {
         "--tls-cert",
         "--tls-key",
         "--tls-client-ca",
+        "Nodes over TLS",
         "--tls-backend",
         "--tls-backend-ca",
+        "--tls-backend-chain-only",
+        "--tls-backend-cert",
+        "--tls-backend-key",
+        "tls-auth-clients",
         "--sni-prefix",
         "--sni-domain",
         "vc-<s>-<n>.example.com",
@@ -102,6 +107,26 @@ fn flags_that_need_each_other() {
             ][..],
             "/nonexistent/tls.crt: cannot read",
         ),
+        (
+            &[
+                "--tls-backend",
+                "tls",
+                "--tls-backend-ca",
+                "/nonexistent/ca.crt",
+            ][..],
+            "--tls-backend tls needs a name to check",
+        ),
+        (
+            &[
+                "--tls-backend",
+                "tls",
+                "--tls-backend-ca",
+                "/nonexistent/ca.crt",
+                "--tls-backend-chain-only",
+            ][..],
+            "nodes over TLS (--tls-backend tls): /nonexistent/ca.crt: cannot read",
+        ),
+        (&["--tls-backend-cert", "c.crt"][..], "--tls-backend-key"),
     ] {
         let mut args: Vec<&str> = base.to_vec();
         args.extend_from_slice(extra);

@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use shardgate_crds::external_access::{ExternalAccess, ProxySpec, ProxyTlsMode, ServiceType};
 use shardgate_crds::names::labels;
-use shardgate_crds::settings::{AdminAddr, ProxySettings};
+use shardgate_crds::settings::{AdminAddr, ProxySettings, TlsBackend};
 use shardgate_crds::valkey_cluster::{ExternalEndpoint, ValkeyCluster};
 use shardgate_crds::NodeRef;
 
@@ -36,6 +36,9 @@ use crate::objects::{apply, build, namespace, owner};
 pub const ADMIN_PORT: u16 = 9090;
 /// Where the TLS Secret is mounted in the proxy's pod.
 const TLS_DIR: &str = "/etc/shardgate/tls";
+/// Where `spec.tls`'s Secret (the nodes' CA, and the certificate the proxy shows them) is
+/// mounted in the proxy's pod.
+const BACKEND_TLS_DIR: &str = "/etc/shardgate/backend-tls";
 /// [`labels::COMPONENT`] of the proxy's objects.
 pub const COMPONENT_PROXY: &str = "proxy";
 
@@ -113,6 +116,17 @@ pub fn settings(
             }
         }
     }
+    if vc.spec.tls.is_some() {
+        // Nodes that speak only TLS: every leg to them is TLS, with the cluster's Secret
+        // (the certificate the nodes show each other, which their CA signed), checking the
+        // chain only, as the operator and the nodes do (pods are dialled at their IPs).
+        let file = |f: &str| Some(format!("{BACKEND_TLS_DIR}/{f}").into());
+        s.tls_backend = TlsBackend::Tls;
+        s.tls_backend_ca = file(crate::tls::CA);
+        s.tls_backend_cert = file(crate::tls::CERT);
+        s.tls_backend_key = file(crate::tls::KEY);
+        s.tls_backend_chain_only = true;
+    }
     Ok(s)
 }
 
@@ -187,6 +201,12 @@ pub fn desired(
             volumes.push(json!({ "name": "tls", "secret": { "secretName": secret } }));
             mounts.push(json!({ "name": "tls", "mountPath": TLS_DIR, "readOnly": true }));
         }
+    }
+    if let Some(tls) = &vc.spec.tls {
+        // A directory too: the proxy reloads these files when the Secret is renewed.
+        volumes.push(json!({ "name": "backend-tls", "secret": { "secretName": tls.secret_name } }));
+        mounts
+            .push(json!({ "name": "backend-tls", "mountPath": BACKEND_TLS_DIR, "readOnly": true }));
     }
     let mut container = json!({
         "name": "proxy",
@@ -593,6 +613,52 @@ mod tests {
         assert_eq!(
             s["spec"]["ports"].as_array().unwrap().last().unwrap()["port"],
             31443
+        );
+    }
+
+    /// Nodes on TLS (`spec.tls`): the proxy dials them over TLS with the cluster's Secret,
+    /// mounted apart from the TLS port's, and checks the chain only (pods are at IPs).
+    #[test]
+    fn tls_nodes_are_dialled_with_the_clusters_secret() {
+        let plain = proxy_cluster(true);
+        let (ea, proxy) = proxy_mode(&plain).unwrap();
+        let s = settings(&plain, ea, proxy, None).unwrap();
+        assert_eq!(s.tls_backend, TlsBackend::Plain);
+        assert!(!s.to_args().iter().any(|a| a.starts_with("--tls-backend")));
+
+        let vc = proxy_cluster(true).tls("vc-nodes");
+        let (ea, proxy) = proxy_mode(&vc).unwrap();
+        let o = desired(&vc, ea, proxy, "img", None).unwrap();
+        let d = serde_json::to_value(&o.deployment).unwrap();
+        let pod = &d["spec"]["template"]["spec"];
+        let args: Vec<String> =
+            serde_json::from_value(pod["containers"][0]["args"].clone()).unwrap();
+        for want in [
+            "--tls-backend",
+            "tls",
+            "--tls-backend-ca",
+            "/etc/shardgate/backend-tls/ca.crt",
+            "--tls-backend-cert",
+            "/etc/shardgate/backend-tls/tls.crt",
+            "--tls-backend-key",
+            "/etc/shardgate/backend-tls/tls.key",
+            "--tls-backend-chain-only",
+        ] {
+            assert!(args.iter().any(|a| a == want), "{want} not in {args:?}");
+        }
+        // The proxy's own checks accept them.
+        let parsed = <ProxySettings as clap::Parser>::try_parse_from(
+            std::iter::once("shardgate-proxy".to_string()).chain(args.iter().cloned()),
+        )
+        .unwrap();
+        assert!(parsed.tls_backend_chain_only);
+        assert_eq!(
+            pod["volumes"][1],
+            json!({ "name": "backend-tls", "secret": { "secretName": "vc-nodes" } })
+        );
+        assert_eq!(
+            pod["containers"][0]["volumeMounts"][1],
+            json!({ "name": "backend-tls", "mountPath": "/etc/shardgate/backend-tls", "readOnly": true })
         );
     }
 

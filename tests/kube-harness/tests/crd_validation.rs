@@ -318,12 +318,6 @@ async fn invalid_clusters_rejected(env: TestEnv) -> Result<()> {
             vec!["spec.externalAccess.proxy.tls.mode", "needs tls"],
         ),
         (
-            "TLS nodes behind the proxy",
-            json!({ "tls": { "secretName": "s" },
-                "externalAccess": { "mode": "proxy", "proxy": { "basePort": 31000 } } }),
-            vec!["spec.tls", "not supported with externalAccess.mode proxy"],
-        ),
-        (
             "a config key the operator writes",
             json!({ "config": { "maxmemory": "1gb", "cluster-enabled": "no" } }),
             vec![

@@ -52,6 +52,10 @@ fn main() -> ExitCode {
             tls_port,
         )
         .test(
+            "proxy_mode_nodes_on_tls_serve_plain_and_terminated_clients_outside",
+            tls_nodes,
+        )
+        .test(
             "proxy_mode_shards_3_to_4_under_an_outside_writer_lose_nothing",
             scale_out,
         )
@@ -389,6 +393,134 @@ async fn tls_port(env: TestEnv) -> Result<()> {
     ensure!(
         proxy_pods().await? == before,
         "the proxy pods restarted: {before:?}"
+    );
+    operator.stop().await;
+    Ok(())
+}
+
+/// Nodes that speak only TLS (`spec.tls`) behind the proxy: it dials them over TLS with the
+/// cluster's Secret (they ask for a client certificate, and their certificate names no pod
+/// IP), and clients outside reach every node through the node ports in plain and through
+/// the TLS port, terminated, with the topology rewritten on both.
+async fn tls_nodes(env: TestEnv) -> Result<()> {
+    let TestEnv { client, ns, .. } = &env;
+    let tls = shardgate_operator_e2e::tls::ClusterTls::new()?;
+    tls.create_secret(client, ns, "vc-tls").await?;
+    // The TLS port's certificate: the SNI names under the cluster's domain.
+    let domain = "vc.test";
+    let sni_cert = tls.pki.wildcard("proxy")?;
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+        .create(
+            &kube::api::PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "vc-sni" },
+                "type": "kubernetes.io/tls",
+                "stringData": { "tls.crt": sni_cert.cert_pem, "tls.key": sni_cert.key_pem },
+            }))?,
+        )
+        .await?;
+    let operator = Operator::start(client, ns);
+    let (base, sni_port) = (32900u16, 32990u16);
+    let external = json!({
+        "enabled": true,
+        "mode": "proxy",
+        "domain": domain,
+        "proxy": {
+            "replicas": 1,
+            "basePort": base,
+            "tls": { "port": sni_port, "secretName": "vc-sni", "mode": "terminate" },
+        },
+    });
+    let mut vc = external_cluster("vc", 2, 1, external)?;
+    vc.spec.tls = serde_json::from_value(json!({ "secretName": "vc-tls" }))?;
+    create(client, ns, &vc).await?;
+    let vc = wait_external_ready(client, ns, "vc").await?;
+    let status = vc.status.clone().context("status")?;
+    let ingress = status.external_endpoints[0].host.clone();
+
+    // The node ports, in plain: a cluster client writes and reads over every slot, and the
+    // topology (SLOTS, NODES, SHARDS: a TLS-only node's `tls-port` becomes the listener's
+    // `port`) names only the load balancer.
+    only_external_addresses(client, ns, "vc", &status, 2_000).await?;
+    let seed = bootstrap_seeds(&vc)?[0];
+    tokio::task::spawn_blocking(move || redis_cli_set_get(seed, 2_000)).await??;
+
+    // The nodes refuse plain RESP: the proxy's legs are TLS.
+    let pods = pod_addrs(client, ns, "vc").await?;
+    let node = NodeRef::new(1, 0);
+    ensure!(
+        Admin::connect(pods[&node], Timeouts::default())
+            .await?
+            .cluster_myid()
+            .await
+            .is_err(),
+        "node {node} answered plain RESP"
+    );
+    let id = Admin::dial(pods[&node], &tls.dial()?)
+        .await?
+        .cluster_myid()
+        .await?;
+
+    // The TLS port: the SNI name picks the node, and redirects name SNI names.
+    let ca = tls.pki.ca.display().to_string();
+    let tls_cli = |sni: String, args: Vec<String>| {
+        let (ca, host) = (ca.clone(), ingress.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let port = sni_port.to_string();
+                let mut all = vec![
+                    "--tls", "--sni", &sni, "--cacert", &ca, "-h", &host, "-p", &port,
+                ];
+                all.extend(args.iter().map(String::as_str));
+                cli(&all)
+            })
+            .await?
+        }
+    };
+    let got = tls_cli(
+        format!("vc-1-0.{domain}"),
+        vec!["CLUSTER".into(), "MYID".into()],
+    )
+    .await?;
+    ensure!(
+        got == id,
+        "CLUSTER MYID over SNI vc-1-0: {got}, node 1-0 is {id}"
+    );
+    let key = shardgate_harness::clients::spread_keys(4, "tls-nodes")
+        .into_iter()
+        .find(|k| shardgate_harness::valkey::key_slot(k.as_bytes()) > 8192)
+        .context("a key of shard 1")?;
+    let moved = tls_cli(format!("vc-0-0.{domain}"), vec!["GET".into(), key.clone()]).await?;
+    ensure!(
+        moved.contains("MOVED")
+            && moved.contains("vc-1-")
+            && moved.contains(&format!(".{domain}:{sni_port}")),
+        "GET {key} at vc-0-0: {moved}"
+    );
+    // No TLS leg failed on the way (the proxy's metrics, at its pod).
+    let proxy_pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
+        .list(&kube::api::ListParams::default().labels("shardgate.io/component=proxy"))
+        .await?;
+    let ip: std::net::IpAddr = proxy_pods
+        .items
+        .first()
+        .and_then(|p| p.status.as_ref()?.pod_ip.as_ref()?.parse().ok())
+        .context("no proxy pod IP")?;
+    let metrics = tokio::task::spawn_blocking(move || {
+        shardgate_harness::http::get(SocketAddr::new(ip, 9090), "/metrics")
+    })
+    .await??
+    .1;
+    let tls_errors: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("shardgate_proxy_backend_errors_total") && l.contains("kind=\"tls\"")
+        })
+        .collect();
+    ensure!(tls_errors.is_empty(), "TLS legs failed: {tls_errors:?}");
+    ensure!(
+        metrics.contains("shardgate_proxy_bytes_total"),
+        "not the proxy's metrics: {metrics}"
     );
     operator.stop().await;
     Ok(())
