@@ -271,14 +271,10 @@ impl Forwarder {
         port: u16,
         route: &Route,
     ) -> Result<Closed, ForwardError> {
-        let rewrite = route.rewrite.then_some(Addresses::Ports);
         if let Some(tls) = &self.backend_tls {
+            // Boxed whole: a plain connection's state does not grow by the TLS path's.
             let tls = tls.borrow().clone();
-            // Boxed for the same reason as below, and the handshake's state with it.
-            let backend = Box::pin(self.dial_tls(route, &tls)).await?;
-            let (cr, cw) = client.split();
-            let (br, bw) = tokio::io::split(backend);
-            return self.relay(port, rewrite, cr, cw, Held(br), bw).await;
+            return Box::pin(self.forward_tls(client, port, route, tls)).await;
         }
         // Boxed: resolving and dialing take a large future that a connection needs only
         // until it is connected.
@@ -291,7 +287,23 @@ impl Forwarder {
         // The client socket has its options from the listener (`dial::listen`).
         let (cr, cw) = client.split();
         let (br, bw) = backend.split();
+        let rewrite = route.rewrite.then_some(Addresses::Ports);
         self.relay(port, rewrite, cr, cw, br, bw).await
+    }
+
+    /// [`Self::forward`] to a node that speaks TLS (`--tls-backend tls`).
+    async fn forward_tls(
+        &self,
+        mut client: TcpStream,
+        port: u16,
+        route: &Route,
+        tls: Arc<BackendTls>,
+    ) -> Result<Closed, ForwardError> {
+        let backend = self.dial_tls(route, &tls).await?;
+        let (cr, cw) = client.split();
+        let (br, bw) = tokio::io::split(backend);
+        let rewrite = route.rewrite.then_some(Addresses::Ports);
+        self.relay(port, rewrite, cr, cw, Held(br), bw).await
     }
 
     /// A TLS connection to `route`'s node at its TLS address (`tls_backend`, else its
