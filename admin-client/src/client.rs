@@ -119,10 +119,16 @@ impl Client {
                 .map_err(|source| Error::Connect { addr, source })?;
             match &dial.tls {
                 None => Ok(Either::Left(tcp)),
-                // Nodes are dialled by IP; the name is not checked (crate::tls).
+                // Nodes are dialled by IP; the name is not checked (crate::tls) unless
+                // one is given.
                 Some(tls) => tls
                     .connector()
-                    .connect(ServerName::IpAddress(addr.ip().into()), tcp)
+                    .connect(
+                        tls.server_name()
+                            .cloned()
+                            .unwrap_or(ServerName::IpAddress(addr.ip().into())),
+                        tcp,
+                    )
                     .await
                     .map(Either::Right)
                     .map_err(|source| Error::Tls { addr, source }),

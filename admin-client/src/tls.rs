@@ -4,6 +4,7 @@
 //! The node's certificate is checked against the cluster's CA, and its name is not: the
 //! client dials nodes by IP, which a cluster's certificate rarely names, and Valkey's own
 //! nodes check each other the same way (chain only, on the cluster bus and replication).
+//! Where every node carries one name, [`Tls::from_pem_named`] checks it as well.
 //! The client presents its own certificate when it has one, since Valkey asks every client
 //! for one by default (`tls-auth-clients yes`).
 
@@ -11,7 +12,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::client::verify_server_cert_signed_by_trust_anchor;
+use rustls::client::{verify_server_cert_signed_by_trust_anchor, WebPkiServerVerifier};
 use rustls::crypto::{
     ring, verify_tls12_signature, verify_tls13_signature, WebPkiSupportedAlgorithms,
 };
@@ -41,6 +42,8 @@ pub struct Tls {
     connector: TlsConnector,
     /// The client's own certificate (DER), if it has one.
     certificate: Option<Arc<[u8]>>,
+    /// The name checked on the nodes' certificates, if one is.
+    name: Option<ServerName<'static>>,
 }
 
 impl fmt::Debug for Tls {
@@ -58,8 +61,51 @@ impl Tls {
     /// [`TlsError`] if `ca` holds no certificate, `identity` no certificate or no key, or
     /// rustls refuses one of them.
     pub fn from_pem(ca: &[u8], identity: Option<(&[u8], &[u8])>) -> Result<Tls, TlsError> {
+        Self::build(ca, identity, None)
+    }
+
+    /// As [`Tls::from_pem`], and every node's certificate must name `name` (which is sent
+    /// as SNI), as webpki checks a server's: for nodes that all carry one name.
+    ///
+    /// # Errors
+    ///
+    /// As [`Tls::from_pem`], and [`TlsError::Pem`] (`what` is `"server name"`) if `name`
+    /// is not a DNS name or an IP address.
+    pub fn from_pem_named(
+        ca: &[u8],
+        identity: Option<(&[u8], &[u8])>,
+        name: &str,
+    ) -> Result<Tls, TlsError> {
+        Self::build(ca, identity, Some(name))
+    }
+
+    fn build(
+        ca: &[u8],
+        identity: Option<(&[u8], &[u8])>,
+        name: Option<&str>,
+    ) -> Result<Tls, TlsError> {
         let provider = Arc::new(ring::default_provider());
-        let verifier = ChainOnly::new(ca, provider.signature_verification_algorithms)?;
+        let chain_only = ChainOnly::new(ca, provider.signature_verification_algorithms)?;
+        let (verifier, name): (Arc<dyn ServerCertVerifier>, _) = match name {
+            None => (Arc::new(chain_only), None),
+            Some(n) => {
+                let server_name =
+                    ServerName::try_from(n.to_string()).map_err(|e| TlsError::Pem {
+                        what: "server name",
+                        message: format!("{n:?}: {e}"),
+                    })?;
+                let verifier = WebPkiServerVerifier::builder_with_provider(
+                    chain_only.roots.clone(),
+                    provider.clone(),
+                )
+                .build()
+                .map_err(|e| TlsError::Pem {
+                    what: "ca",
+                    message: e.to_string(),
+                })?;
+                (verifier as Arc<dyn ServerCertVerifier>, Some(server_name))
+            }
+        };
         let builder = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|source| TlsError::Rustls {
@@ -67,7 +113,7 @@ impl Tls {
                 source,
             })?
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(verifier));
+            .with_custom_certificate_verifier(verifier);
         let mut certificate = None;
         let config = match identity {
             None => builder.with_no_client_auth(),
@@ -89,7 +135,14 @@ impl Tls {
         Ok(Tls {
             connector: TlsConnector::from(Arc::new(config)),
             certificate,
+            name,
         })
+    }
+
+    /// The name every node's certificate must carry ([`Tls::from_pem_named`]); `None`:
+    /// the chain is checked, not the name.
+    pub fn server_name(&self) -> Option<&ServerName<'static>> {
+        self.name.as_ref()
     }
 
     /// The client's own certificate (the leaf, DER), if it has one.

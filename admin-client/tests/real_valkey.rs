@@ -322,6 +322,21 @@ async fn tls_checks_the_chain_not_the_name_and_presents_the_client_certificate()
         other => panic!("a node of another CA was trusted: {other:?}"),
     }
 
+    // A name asked for: the node's certificate must carry it.
+    let named = Tls::from_pem_named(pki.ca_pem.as_bytes(), identity, "vc-0-0.cluster.test");
+    let mut client = Client::dial(addr, &dial(named.unwrap())).await.unwrap();
+    client.ping().await.unwrap();
+    let wrong = Tls::from_pem_named(pki.ca_pem.as_bytes(), identity, "vc-1-0.cluster.test");
+    match Client::dial(addr, &dial(wrong.unwrap())).await {
+        Err(e @ Error::Tls { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains("not valid for name"), "{message}");
+        }
+        other => panic!("a node without the name was trusted: {other:?}"),
+    }
+    let e = Tls::from_pem_named(pki.ca_pem.as_bytes(), None, "not a name").unwrap_err();
+    assert!(e.to_string().starts_with("server name: "), "{e}");
+
     // PEM without what it must hold is a clear error, not a panic.
     let e = Tls::from_pem(b"not pem", None).unwrap_err();
     assert!(e.to_string().starts_with("ca: "), "{e}");

@@ -91,8 +91,12 @@ fn human(d: std::time::Duration) -> humantime::Duration {
 /// node is dialled.
 ///   --tls-mode passthrough: the TLS stream goes to the node untouched (nodes speak TLS).
 ///   --tls-mode terminate: the proxy terminates TLS (--tls-cert/--tls-key, reloaded on
-///     change; --tls-client-ca for mTLS) and talks plain or TLS (--tls-backend) to the
-///     node; with --rewrite, TLS clients are handed each node's SNI name on the TLS port.
+///     change; --tls-client-ca for mTLS) and talks to the node as every leg does; with
+///     --rewrite, TLS clients are handed each node's SNI name on the TLS port.
+///
+/// Nodes over TLS (--tls-backend tls): every leg to the nodes is TLS (the node ports', a
+/// terminating TLS port's, and discovery's: --seed then names TLS addresses), checked
+/// against --tls-backend-ca, showing --tls-backend-cert if given.
 ///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000 --rewrite --advertise-host 203.0.113.7 \
 ///     --tls-port 6380 --sni-prefix vc --sni-domain example.com --tls-cert tls.crt --tls-key tls.key
 ///
@@ -262,7 +266,8 @@ pub struct ProxySettings {
     #[arg(long, value_name = "FILE", help_heading = "TLS port (SNI)")]
     pub tls_client_ca: Option<PathBuf>,
 
-    /// Terminate: how often the certificate, key and client CA files are checked for changes.
+    /// How often the TLS files (terminate's certificate, key and client CA; the
+    /// --tls-backend-* files) are checked for changes.
     #[arg(long, value_name = "DURATION", default_value_t = human(defaults::TLS_RELOAD), help_heading = "TLS port (SNI)")]
     #[serde(serialize_with = "display")]
     pub tls_reload: humantime::Duration,
@@ -279,8 +284,10 @@ pub struct ProxySettings {
     #[arg(long, value_name = "FILE", help_heading = "Nodes over TLS")]
     pub tls_backend_ca: Option<PathBuf>,
 
-    /// With --tls-backend tls: the name checked on every node's certificate (default: each
-    /// node's SNI name, <prefix>-<s>-<n>.<domain>, which needs --tls-port).
+    /// With --tls-backend tls: the name checked on every node's certificate, discovery's
+    /// connections included (default: each node's SNI name, <prefix>-<s>-<n>.<domain>,
+    /// which needs --tls-port; discovery, which dials addresses before it knows the node
+    /// there, then checks the chain only).
     #[arg(
         long,
         value_name = "NAME",

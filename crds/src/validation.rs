@@ -131,6 +131,20 @@ pub(crate) fn proxy_tls_port_rule() -> Rule {
     .field_path(".externalAccess.proxy.tls.port")
 }
 
+/// The proxy's client certificate for the nodes is for nodes on TLS.
+pub(crate) fn proxy_client_secret_rule() -> Rule {
+    Rule::new(format!(
+        "{} || has(self.tls)",
+        cel_absent("externalAccess.proxy.clientSecretName")
+    ))
+    .message(PROXY_CLIENT_SECRET_NEEDS_TLS)
+    .field_path(".externalAccess.proxy.clientSecretName")
+}
+
+/// Why `externalAccess.proxy.clientSecretName` is refused without `tls`.
+pub const PROXY_CLIENT_SECRET_NEEDS_TLS: &str =
+    "externalAccess.proxy.clientSecretName needs tls: it is the certificate the proxy shows nodes on TLS";
+
 /// TLS passthrough hands the client's TLS stream to the node: the nodes must speak TLS.
 pub(crate) fn passthrough_rule() -> Rule {
     Rule::new(format!(
@@ -208,6 +222,8 @@ pub enum SpecError {
     PassthroughWithoutTls,
     #[error("{VERIFY_CLIENTS_NEEDS_TERMINATE}")]
     VerifyClientsNeedsTerminate,
+    #[error("{PROXY_CLIENT_SECRET_NEEDS_TLS}")]
+    ProxyClientSecretNeedsTls,
     /// The reserved keys `config` sets, in [`RESERVED_CONFIG_KEYS`]' order.
     #[error("{RESERVED_CONFIG_MESSAGE}: {}", .0.join(" "))]
     ReservedConfigKeys(Vec<String>),
@@ -410,6 +426,15 @@ impl ValkeyClusterSpec {
                     return Err(SpecError::VerifyClientsNeedsTerminate);
                 }
             }
+            match proxy.client_secret_name.as_deref() {
+                Some("") => {
+                    return Err(SpecError::Empty {
+                        field: "externalAccess.proxy.clientSecretName",
+                    })
+                }
+                Some(_) if self.tls.is_none() => return Err(SpecError::ProxyClientSecretNeedsTls),
+                _ => {}
+            }
         }
         Ok(())
     }
@@ -602,6 +627,28 @@ mod tests {
                 .spec
                 .validate(),
             Err(SpecError::PassthroughWithoutTls)
+        );
+        // The proxy's own client certificate is for nodes on TLS.
+        let mut with_client = ExternalAccess::proxy(30000);
+        if let Some(p) = with_client.proxy.as_mut() {
+            p.client_secret_name = Some("c".into());
+        }
+        assert_eq!(
+            vc().external(with_client.clone()).spec.validate(),
+            Err(SpecError::ProxyClientSecretNeedsTls)
+        );
+        assert_eq!(
+            vc().tls("t").external(with_client.clone()).spec.validate(),
+            Ok(())
+        );
+        if let Some(p) = with_client.proxy.as_mut() {
+            p.client_secret_name = Some(String::new());
+        }
+        assert_eq!(
+            vc().tls("t").external(with_client).spec.validate(),
+            Err(SpecError::Empty {
+                field: "externalAccess.proxy.clientSecretName"
+            })
         );
         // Nodes on TLS sit behind the proxy, passthrough or terminating, and any mode.
         assert_eq!(

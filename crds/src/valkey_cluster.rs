@@ -16,8 +16,8 @@ use crate::external_access::ExternalAccess;
 use crate::names::Hostnames;
 use crate::ports::{NodeRef, PortLayout};
 use crate::validation::{
-    immutable, passthrough_rule, port_range_rule, proxy_tls_port_rule, reserved_config_rule,
-    SpecError, BASE_PORT_FIELDS, MAX_SHARDS,
+    immutable, passthrough_rule, port_range_rule, proxy_client_secret_rule, proxy_tls_port_rule,
+    reserved_config_rule, SpecError, BASE_PORT_FIELDS, MAX_SHARDS,
 };
 
 /// Defaults of the spec, applied by serde and written into the schema (so the API server
@@ -82,6 +82,7 @@ pub mod defaults {
         .field_path(".portsPerShard"),
     validation = proxy_tls_port_rule(),
     validation = passthrough_rule(),
+    validation = proxy_client_secret_rule(),
     validation = Rule::new(
             "has(oldSelf.portsPerShard) \
              ? (has(self.portsPerShard) && self.portsPerShard == oldSelf.portsPerShard) \
@@ -131,8 +132,8 @@ pub struct ValkeyClusterSpec {
     /// the nodes speak only TLS, on the client port, the cluster bus and replication, and
     /// ask clients for a certificate signed by its `ca.crt` unless `config` sets
     /// `tls-auth-clients` to `no` or `optional`. Can be neither added nor removed (a node on
-    /// TLS and one on plain RESP cannot talk on the cluster bus); not with
-    /// `externalAccess.mode: proxy`.
+    /// TLS and one on plain RESP cannot talk on the cluster bus). In proxy mode the proxy
+    /// dials the nodes over TLS too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsSpec>,
 

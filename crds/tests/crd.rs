@@ -205,6 +205,15 @@ fn proxy_tls_port_rule_agrees_on_a_grid() {
     }
 }
 
+/// Proxy mode with `proxy.clientSecretName`.
+fn client_secret(name: &str) -> ExternalAccess {
+    let mut ea = ExternalAccess::proxy(31000);
+    if let Some(p) = ea.proxy.as_mut() {
+        p.client_secret_name = Some(name.into());
+    }
+    ea
+}
+
 #[test]
 fn other_create_rules_agree() {
     let cel = Cel::new();
@@ -235,6 +244,18 @@ fn other_create_rules_agree() {
             "tls with proxy mode",
             base().tls("vc-tls").external(ExternalAccess::proxy(31000)),
             None,
+        ),
+        (
+            "the proxy's own client certificate for nodes on TLS",
+            base()
+                .tls("vc-tls")
+                .external(client_secret("vc-proxy-client")),
+            None,
+        ),
+        (
+            "the proxy's client certificate without nodes on TLS",
+            base().external(client_secret("vc-proxy-client")),
+            Some("clientSecretName needs tls"),
         ),
         (
             "tls with announce mode",

@@ -483,8 +483,11 @@ fn shards_in_both_protocols_and_with_hostnames() {
 }
 
 /// Two nodes that speak TLS only (`port 0`, `tls-port`), asked over TLS: Valkey 9.1.2's
-/// CLUSTER SHARDS names `tls-port` and no `port` (captured from valkey-server, RESP2).
+/// CLUSTER SHARDS names `tls-port` and no `port` (captured from valkey-server, RESP2 and,
+/// after HELLO 3, RESP3).
 const TLS_ONLY_SHARDS: &[u8] = b"*2\r\n*6\r\n$5\r\nslots\r\n*2\r\n:8001\r\n:16383\r\n$5\r\nnodes\r\n*1\r\n*14\r\n$2\r\nid\r\n$40\r\ne362793ff9eef72b3dc053abae7a164525e7c7f1\r\n$8\r\ntls-port\r\n:27002\r\n$2\r\nip\r\n$9\r\n127.0.0.1\r\n$8\r\nendpoint\r\n$9\r\n127.0.0.1\r\n$4\r\nrole\r\n$6\r\nmaster\r\n$18\r\nreplication-offset\r\n:0\r\n$6\r\nhealth\r\n$6\r\nonline\r\n$2\r\nid\r\n$40\r\nbcff7225fc9c84dd79943a2453ac4e78f6f27772\r\n*6\r\n$5\r\nslots\r\n*2\r\n:0\r\n:8000\r\n$5\r\nnodes\r\n*1\r\n*14\r\n$2\r\nid\r\n$40\r\n81c302d01c2b9553c64817e614a287debb2542d2\r\n$8\r\ntls-port\r\n:27001\r\n$2\r\nip\r\n$9\r\n127.0.0.1\r\n$8\r\nendpoint\r\n$9\r\n127.0.0.1\r\n$4\r\nrole\r\n$6\r\nmaster\r\n$18\r\nreplication-offset\r\n:0\r\n$6\r\nhealth\r\n$6\r\nonline\r\n$2\r\nid\r\n$40\r\n5fc1adf13e633136cc0fac8a406c3d8e0e8c7bfa\r\n";
+
+const TLS_ONLY_SHARDS_RESP3: &[u8] = b"*2\r\n%3\r\n$5\r\nslots\r\n*2\r\n:8001\r\n:16383\r\n$5\r\nnodes\r\n*1\r\n%7\r\n$2\r\nid\r\n$40\r\ne362793ff9eef72b3dc053abae7a164525e7c7f1\r\n$8\r\ntls-port\r\n:27002\r\n$2\r\nip\r\n$9\r\n127.0.0.1\r\n$8\r\nendpoint\r\n$9\r\n127.0.0.1\r\n$4\r\nrole\r\n$6\r\nmaster\r\n$18\r\nreplication-offset\r\n:0\r\n$6\r\nhealth\r\n$6\r\nonline\r\n$2\r\nid\r\n$40\r\nbcff7225fc9c84dd79943a2453ac4e78f6f27772\r\n%3\r\n$5\r\nslots\r\n*2\r\n:0\r\n:8000\r\n$5\r\nnodes\r\n*1\r\n%7\r\n$2\r\nid\r\n$40\r\n81c302d01c2b9553c64817e614a287debb2542d2\r\n$8\r\ntls-port\r\n:27001\r\n$2\r\nip\r\n$9\r\n127.0.0.1\r\n$8\r\nendpoint\r\n$9\r\n127.0.0.1\r\n$4\r\nrole\r\n$6\r\nmaster\r\n$18\r\nreplication-offset\r\n:0\r\n$6\r\nhealth\r\n$6\r\nonline\r\n$2\r\nid\r\n$40\r\n5fc1adf13e633136cc0fac8a406c3d8e0e8c7bfa\r\n";
 
 #[test]
 fn tls_only_nodes_are_named_at_their_listeners_port_for_plain_clients() {
@@ -510,27 +513,30 @@ fn tls_only_nodes_are_named_at_their_listeners_port_for_plain_clients() {
     })
     .collect();
     let map = AddressMap::new("203.0.113.9", &routes);
-    let (out, report) = through_proxy(&map, "CLUSTER SHARDS", TLS_ONLY_SHARDS, &[]);
-    let node = |id: &str, port: u16| {
-        format!("*14\r\n$2\r\nid\r\n$40\r\n{id}\r\n$4\r\nport\r\n:{port}\r\n$2\r\nip\r\n$11\r\n203.0.113.9\r\n$8\r\nendpoint\r\n$11\r\n203.0.113.9\r\n$4\r\nrole\r\n$6\r\nmaster\r\n")
-    };
-    let out = String::from_utf8(out).unwrap();
-    assert!(
-        out.contains(&node("e362793ff9eef72b3dc053abae7a164525e7c7f1", 31001)),
-        "{out}"
-    );
-    assert!(
-        out.contains(&node("81c302d01c2b9553c64817e614a287debb2542d2", 31000)),
-        "{out}"
-    );
-    assert!(
-        !out.contains("tls-port") && !out.contains("127.0.0.1"),
-        "{out}"
-    );
-    assert!(
-        report.unknown.is_empty() && report.rewritten == 2,
-        "{report:?}"
-    );
+    for (reply, header) in [(TLS_ONLY_SHARDS, "*14"), (TLS_ONLY_SHARDS_RESP3, "%7")] {
+        let (out, report) = through_proxy(&map, "CLUSTER SHARDS", reply, &[]);
+        let node = |id: &str, port: u16| {
+            format!("{header}\r\n$2\r\nid\r\n$40\r\n{id}\r\n$4\r\nport\r\n:{port}\r\n$2\r\nip\r\n$11\r\n203.0.113.9\r\n$8\r\nendpoint\r\n$11\r\n203.0.113.9\r\n$4\r\nrole\r\n$6\r\nmaster\r\n")
+        };
+        let out = String::from_utf8(out).unwrap();
+        assert!(
+            out.contains(&node("e362793ff9eef72b3dc053abae7a164525e7c7f1", 31001)),
+            "{out}"
+        );
+        assert!(
+            out.contains(&node("81c302d01c2b9553c64817e614a287debb2542d2", 31000)),
+            "{out}"
+        );
+        assert!(
+            !out.contains("tls-port") && !out.contains("127.0.0.1"),
+            "{out}"
+        );
+        assert!(
+            report.unknown.is_empty() && report.rewritten == 2,
+            "{report:?}"
+        );
+        assert_eq!(frames(out.as_bytes()), 1);
+    }
 }
 
 proptest! {

@@ -39,6 +39,9 @@ const TLS_DIR: &str = "/etc/shardgate/tls";
 /// Where `spec.tls`'s Secret (the nodes' CA, and the certificate the proxy shows them) is
 /// mounted in the proxy's pod.
 const BACKEND_TLS_DIR: &str = "/etc/shardgate/backend-tls";
+/// Where `proxy.clientSecretName`'s Secret (the proxy's own certificate for the nodes) is
+/// mounted in the proxy's pod.
+const CLIENT_TLS_DIR: &str = "/etc/shardgate/client-tls";
 /// [`labels::COMPONENT`] of the proxy's objects.
 pub const COMPONENT_PROXY: &str = "proxy";
 
@@ -117,14 +120,19 @@ pub fn settings(
         }
     }
     if vc.spec.tls.is_some() {
-        // Nodes that speak only TLS: every leg to them is TLS, with the cluster's Secret
-        // (the certificate the nodes show each other, which their CA signed), checking the
-        // chain only, as the operator and the nodes do (pods are dialled at their IPs).
-        let file = |f: &str| Some(format!("{BACKEND_TLS_DIR}/{f}").into());
+        // Nodes that speak only TLS: every leg to them is TLS, checked against the
+        // cluster's CA, the chain only, as the operator and the nodes do (pods are dialled
+        // at their IPs). The proxy shows its own certificate if it has one, else the
+        // nodes'.
+        let dir = match proxy.client_secret_name {
+            Some(_) => CLIENT_TLS_DIR,
+            None => BACKEND_TLS_DIR,
+        };
+        let file = |dir: &str, f: &str| Some(format!("{dir}/{f}").into());
         s.tls_backend = TlsBackend::Tls;
-        s.tls_backend_ca = file(crate::tls::CA);
-        s.tls_backend_cert = file(crate::tls::CERT);
-        s.tls_backend_key = file(crate::tls::KEY);
+        s.tls_backend_ca = file(BACKEND_TLS_DIR, crate::tls::CA);
+        s.tls_backend_cert = file(dir, crate::tls::CERT);
+        s.tls_backend_key = file(dir, crate::tls::KEY);
         s.tls_backend_chain_only = true;
     }
     Ok(s)
@@ -203,8 +211,17 @@ pub fn desired(
         }
     }
     if let Some(tls) = &vc.spec.tls {
-        // A directory too: the proxy reloads these files when the Secret is renewed.
-        volumes.push(json!({ "name": "backend-tls", "secret": { "secretName": tls.secret_name } }));
+        // Directories too: the proxy reloads these files when a Secret is renewed.
+        let mut nodes = json!({ "secretName": tls.secret_name });
+        if let Some(client) = &proxy.client_secret_name {
+            // Only the CA of the nodes' Secret: their key stays out of the proxy's pods.
+            nodes["items"] = json!([{ "key": crate::tls::CA, "path": crate::tls::CA }]);
+            volumes.push(json!({ "name": "client-tls", "secret": { "secretName": client } }));
+            mounts.push(
+                json!({ "name": "client-tls", "mountPath": CLIENT_TLS_DIR, "readOnly": true }),
+            );
+        }
+        volumes.push(json!({ "name": "backend-tls", "secret": nodes }));
         mounts
             .push(json!({ "name": "backend-tls", "mountPath": BACKEND_TLS_DIR, "readOnly": true }));
     }
@@ -659,6 +676,39 @@ mod tests {
         assert_eq!(
             pod["containers"][0]["volumeMounts"][1],
             json!({ "name": "backend-tls", "mountPath": "/etc/shardgate/backend-tls", "readOnly": true })
+        );
+
+        // The proxy's own certificate: the nodes' Secret gives only its CA.
+        let mut own = vc.clone();
+        if let Some(p) = own
+            .spec
+            .external_access
+            .as_mut()
+            .and_then(|ea| ea.proxy.as_mut())
+        {
+            p.client_secret_name = Some("vc-proxy-client".into());
+        }
+        let (ea, proxy) = proxy_mode(&own).unwrap();
+        let s = settings(&own, ea, proxy, None).unwrap();
+        let path = |p: &str| Some(std::path::PathBuf::from(p));
+        assert_eq!(s.tls_backend_ca, path("/etc/shardgate/backend-tls/ca.crt"));
+        assert_eq!(
+            s.tls_backend_cert,
+            path("/etc/shardgate/client-tls/tls.crt")
+        );
+        assert_eq!(s.tls_backend_key, path("/etc/shardgate/client-tls/tls.key"));
+        let o = desired(&own, ea, proxy, "img", None).unwrap();
+        let d = serde_json::to_value(&o.deployment).unwrap();
+        let volumes = &d["spec"]["template"]["spec"]["volumes"];
+        assert_eq!(
+            volumes[1],
+            json!({ "name": "client-tls", "secret": { "secretName": "vc-proxy-client" } })
+        );
+        assert_eq!(
+            volumes[2],
+            json!({ "name": "backend-tls", "secret": {
+                "secretName": "vc-nodes", "items": [{ "key": "ca.crt", "path": "ca.crt" }],
+            } })
         );
     }
 

@@ -194,7 +194,12 @@ impl Forwarder {
         // Awaited in place, not handed to another async fn: a future moved into another
         // is stored twice, and a connection's state is what idle connections cost.
         let outcome = self.forward(client, port, &route).await;
-        self.closed(open, peer, &route.backend, outcome);
+        // The address dialled: over TLS, the node's TLS address.
+        let dialled = match self.backend_tls {
+            Some(_) => route.tls_backend(),
+            None => &route.backend,
+        };
+        self.closed(open, peer, dialled, outcome);
     }
 
     /// Counts a connection on listener `port` as accepted and active; hand the result to

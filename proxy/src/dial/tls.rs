@@ -56,8 +56,8 @@ pub struct Identity {
 pub struct BackendTls {
     connector: TlsConnector,
     name: Name,
-    /// The same CA and certificate for the admin client (discovery's connections), which
-    /// checks the chain only: it dials nodes by IP.
+    /// The same CA, certificate and fixed name for the admin client (discovery's
+    /// connections); with SNI names it checks the chain only.
     pub admin: shardgate_admin_client::Tls,
 }
 
@@ -100,10 +100,17 @@ impl Reloadable for BackendTlsConfig {
             (Some(ca), None, None) if identity.is_none() => (ca, None),
             _ => return Err(internal(ca, "contents read do not match the files")),
         };
-        let admin = shardgate_admin_client::Tls::from_pem(
-            ca_pem,
-            identity_pem.map(|(c, k)| (c.as_slice(), k.as_slice())),
-        )
+        let identity_slices = identity_pem.map(|(c, k)| (c.as_slice(), k.as_slice()));
+        // Discovery dials an address before it knows the node there: it can check one fixed
+        // name, not each node's SNI name.
+        let admin = match name {
+            BackendName::Fixed(n) => {
+                shardgate_admin_client::Tls::from_pem_named(ca_pem, identity_slices, n)
+            }
+            BackendName::Sni(_) | BackendName::ChainOnly => {
+                shardgate_admin_client::Tls::from_pem(ca_pem, identity_slices)
+            }
+        }
         .map_err(|e| {
             // The file at fault.
             let what = match &e {
@@ -112,7 +119,7 @@ impl Reloadable for BackendTlsConfig {
             };
             let path = match (what, identity) {
                 ("key", Some(i)) => &i.key,
-                ("ca", _) | (_, None) => ca,
+                ("ca" | "server name", _) | (_, None) => ca,
                 (_, Some(i)) => &i.cert,
             };
             CertError::Pem {

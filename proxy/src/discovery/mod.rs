@@ -39,7 +39,8 @@ pub enum DiscoveryError {
 
 /// How discovery reaches a node: `timeout` to connect (and for the TLS handshake) and as
 /// long again for each reply; over TLS with the files in force when `tls` is given (the
-/// certificate's chain is checked, not its name: nodes are asked at their IPs).
+/// certificate's chain, and `--tls-backend-name` if given: an address is dialled before
+/// the node there is known, so not each node's SNI name).
 pub fn dial(timeout: Duration, tls: Option<&BackendTlsRx>) -> Dial {
     Dial {
         timeouts: Timeouts {

@@ -398,10 +398,12 @@ async fn tls_port(env: TestEnv) -> Result<()> {
     Ok(())
 }
 
-/// Nodes that speak only TLS (`spec.tls`) behind the proxy: it dials them over TLS with the
-/// cluster's Secret (they ask for a client certificate, and their certificate names no pod
-/// IP), and clients outside reach every node through the node ports in plain and through
-/// the TLS port, terminated, with the topology rewritten on both.
+/// Nodes that speak only TLS (`spec.tls`) behind the proxy: it dials them over TLS, checking
+/// their chain against the cluster's CA (their certificate names no pod IP) and showing a
+/// client certificate of its own (`proxy.clientSecretName`: the nodes ask for one, and the
+/// nodes' key stays out of the proxy's pods), and clients outside reach every node through
+/// the node ports in plain and through the TLS port, terminated, with the topology
+/// rewritten on both.
 async fn tls_nodes(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, .. } = &env;
     let tls = shardgate_operator_e2e::tls::ClusterTls::new()?;
@@ -419,6 +421,17 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
             }))?,
         )
         .await?;
+    // The proxy's own client certificate, of the cluster's CA.
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+        .create(
+            &kube::api::PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "vc-proxy-client" },
+                "type": "kubernetes.io/tls",
+                "stringData": { "tls.crt": tls.app.cert_pem, "tls.key": tls.app.key_pem },
+            }))?,
+        )
+        .await?;
     let operator = Operator::start(client, ns);
     let (base, sni_port) = (32900u16, 32990u16);
     let external = json!({
@@ -429,6 +442,7 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
             "replicas": 1,
             "basePort": base,
             "tls": { "port": sni_port, "secretName": "vc-sni", "mode": "terminate" },
+            "clientSecretName": "vc-proxy-client",
         },
     });
     let mut vc = external_cluster("vc", 2, 1, external)?;
@@ -511,10 +525,12 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     })
     .await??
     .1;
+    // A refusal shows as `tls`, or `io` when TLS 1.3 reports it on the first read.
     let tls_errors: Vec<&str> = metrics
         .lines()
         .filter(|l| {
-            l.starts_with("shardgate_proxy_backend_errors_total") && l.contains("kind=\"tls\"")
+            l.starts_with("shardgate_proxy_backend_errors_total")
+                && (l.contains("kind=\"tls\"") || l.contains("kind=\"io\""))
         })
         .collect();
     ensure!(tls_errors.is_empty(), "TLS legs failed: {tls_errors:?}");

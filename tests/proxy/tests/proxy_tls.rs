@@ -1309,4 +1309,63 @@ async fn node_ports_reach_nodes_over_tls() {
     drop(con);
     block_in_place(|| landed_on_their_owners(&cluster, "tls-seed"));
     handle.shutdown().await;
+
+    // A name asked for (--tls-backend-name): discovery and the node ports check it. Every
+    // node's certificate names valkey.internal.
+    let named = |name: &str| BackendTlsConfig::Tls {
+        ca: pki.ca.clone(),
+        name: BackendName::Fixed(name.into()),
+        identity: Some(Identity {
+            cert: good.cert.clone(),
+            key: good.key.clone(),
+        }),
+    };
+    let base = free_port_range(LO, 3);
+    let mut config = ProxyConfig::new(SourceConfig::Seed {
+        seeds: vec![Backend::ip(tls_addrs[1])],
+        base_port: base,
+        ports_per_shard: None,
+        refresh: Duration::from_secs(5),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = None;
+    config.drain_timeout = Duration::from_millis(200);
+    config.backend_tls = named("valkey.internal");
+    let handle = Proxy::start(config).await.unwrap();
+    assert!(
+        handle.wait_ready(Duration::from_secs(10)).await,
+        "no route from a named seed"
+    );
+    let mut s = TcpStream::connect((LO, base)).await.unwrap();
+    assert_eq!(pipeline(&mut s, &[&["PING"]]).await, b"+PONG\r\n");
+    handle.shutdown().await;
+    // Another name: the node ports' legs are refused, counted, and the client closed.
+    let source = routes_file(pki.dir(), &cluster, &tls_addrs);
+    let SourceConfig::File { path, .. } = &source else {
+        unreachable!()
+    };
+    let routes =
+        shardgate_crds::RouteFile::from_yaml(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let base = u16::try_from(routes.base_port).unwrap();
+    let mut config = ProxyConfig::new(source);
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    config.drain_timeout = Duration::from_millis(200);
+    config.backend_tls = named("other.internal");
+    let handle = Proxy::start(config).await.unwrap();
+    assert!(handle.wait_ready(Duration::from_secs(10)).await);
+    let admin = handle.admin_addr().unwrap();
+    let mut s = TcpStream::connect((LO, base)).await.unwrap();
+    s.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+    assert!(
+        until_closed(&mut s).await.is_empty(),
+        "a refused leg sends nothing"
+    );
+    let sample = format!("shardgate_proxy_backend_errors_total{{port=\"{base}\",kind=\"tls\"}}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&get(admin, "/metrics").unwrap().1, &sample).unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "the wrong name was not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    handle.shutdown().await;
 }
