@@ -239,16 +239,7 @@ async fn tls_port(env: TestEnv) -> Result<()> {
     let domain = "example.test";
     let pki = shardgate_harness::tls::TestPki::new(domain)?;
     let cert = pki.wildcard("proxy")?;
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
-        .create(
-            &kube::api::PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "vc-tls" },
-                "type": "kubernetes.io/tls",
-                "stringData": { "tls.crt": cert.cert_pem, "tls.key": cert.key_pem },
-            }))?,
-        )
-        .await?;
+    tls_secret(client, ns, "vc-tls", &cert).await?;
     let operator = Operator::start(client, ns);
     let (base, tls) = (32700u16, 32790u16);
     let external = json!({
@@ -271,20 +262,8 @@ async fn tls_port(env: TestEnv) -> Result<()> {
     let ingress = status.external_endpoints[0].host.clone();
     let pods = pod_addrs(client, ns, "vc").await?;
     let ca = pki.ca.display().to_string();
-    let tls_cli = |sni: String, args: Vec<String>| {
-        let (ca, host) = (ca.clone(), ingress.clone());
-        async move {
-            tokio::task::spawn_blocking(move || {
-                let port = tls.to_string();
-                let mut all = vec![
-                    "--tls", "--sni", &sni, "--cacert", &ca, "-h", &host, "-p", &port,
-                ];
-                all.extend(args.iter().map(String::as_str));
-                cli(&all)
-            })
-            .await?
-        }
-    };
+    let tls_cli =
+        |sni: String, args: Vec<String>| redis_cli_sni(ca.clone(), ingress.clone(), tls, sni, args);
     // The SNI name picks the node: its own id answers.
     let node = NodeRef::new(1, 0);
     let mut admin = Admin::connect(pods[&node], Timeouts::default()).await?;
@@ -320,18 +299,7 @@ async fn tls_port(env: TestEnv) -> Result<()> {
             "names the pod {a}: {slots}"
         );
     }
-    // A key of shard 1 asked at shard 0's name: redirected to a shard 1 name.
-    let key = shardgate_harness::clients::spread_keys(4, "tls")
-        .into_iter()
-        .find(|k| shardgate_harness::valkey::key_slot(k.as_bytes()) > 8192)
-        .context("a key of shard 1")?;
-    let moved = tls_cli(format!("vc-0-0.{domain}"), vec!["GET".into(), key.clone()]).await?;
-    ensure!(
-        moved.contains("MOVED")
-            && moved.contains("vc-1-")
-            && moved.contains(&format!(".{domain}:{tls}")),
-        "GET {key} at vc-0-0: {moved}"
-    );
+    sni_redirect(&ca, &ingress, tls, domain, "tls").await?;
 
     // The certificate rotated in its Secret (another CA's): the proxy presents it without
     // restarting (the mounted files change; the proxy reloads them).
@@ -411,27 +379,9 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     // The TLS port's certificate: the SNI names under the cluster's domain.
     let domain = "vc.test";
     let sni_cert = tls.pki.wildcard("proxy")?;
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
-        .create(
-            &kube::api::PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "vc-sni" },
-                "type": "kubernetes.io/tls",
-                "stringData": { "tls.crt": sni_cert.cert_pem, "tls.key": sni_cert.key_pem },
-            }))?,
-        )
-        .await?;
+    tls_secret(client, ns, "vc-sni", &sni_cert).await?;
     // The proxy's own client certificate, of the cluster's CA.
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
-        .create(
-            &kube::api::PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "vc-proxy-client" },
-                "type": "kubernetes.io/tls",
-                "stringData": { "tls.crt": tls.app.cert_pem, "tls.key": tls.app.key_pem },
-            }))?,
-        )
-        .await?;
+    tls_secret(client, ns, "vc-proxy-client", &tls.app).await?;
     let operator = Operator::start(client, ns);
     let (base, sni_port) = (32900u16, 32990u16);
     let external = json!({
@@ -478,18 +428,7 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     // The TLS port: the SNI name picks the node, and redirects name SNI names.
     let ca = tls.pki.ca.display().to_string();
     let tls_cli = |sni: String, args: Vec<String>| {
-        let (ca, host) = (ca.clone(), ingress.clone());
-        async move {
-            tokio::task::spawn_blocking(move || {
-                let port = sni_port.to_string();
-                let mut all = vec![
-                    "--tls", "--sni", &sni, "--cacert", &ca, "-h", &host, "-p", &port,
-                ];
-                all.extend(args.iter().map(String::as_str));
-                cli(&all)
-            })
-            .await?
-        }
+        redis_cli_sni(ca.clone(), ingress.clone(), sni_port, sni, args)
     };
     let got = tls_cli(
         format!("vc-1-0.{domain}"),
@@ -500,17 +439,7 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
         got == id,
         "CLUSTER MYID over SNI vc-1-0: {got}, node 1-0 is {id}"
     );
-    let key = shardgate_harness::clients::spread_keys(4, "tls-nodes")
-        .into_iter()
-        .find(|k| shardgate_harness::valkey::key_slot(k.as_bytes()) > 8192)
-        .context("a key of shard 1")?;
-    let moved = tls_cli(format!("vc-0-0.{domain}"), vec!["GET".into(), key.clone()]).await?;
-    ensure!(
-        moved.contains("MOVED")
-            && moved.contains("vc-1-")
-            && moved.contains(&format!(".{domain}:{sni_port}")),
-        "GET {key} at vc-0-0: {moved}"
-    );
+    sni_redirect(&ca, &ingress, sni_port, domain, "tls-nodes").await?;
     // No TLS leg failed on the way (the proxy's metrics, at its pod).
     let proxy_pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
         .list(&kube::api::ListParams::default().labels("shardgate.io/component=proxy"))
@@ -539,6 +468,63 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
         "not the proxy's metrics: {metrics}"
     );
     operator.stop().await;
+    Ok(())
+}
+
+/// A `kubernetes.io/tls` Secret `name` with `pair`'s certificate and key.
+async fn tls_secret(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    pair: &shardgate_harness::tls::CertPair,
+) -> Result<()> {
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+        .create(
+            &kube::api::PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": name },
+                "type": "kubernetes.io/tls",
+                "stringData": { "tls.crt": pair.cert_pem, "tls.key": pair.key_pem },
+            }))?,
+        )
+        .await?;
+    Ok(())
+}
+
+/// `redis-cli --tls --sni <sni>` at `host:port`, trusting the CA file `ca`.
+async fn redis_cli_sni(
+    ca: String,
+    host: String,
+    port: u16,
+    sni: String,
+    args: Vec<String>,
+) -> Result<String> {
+    tokio::task::spawn_blocking(move || {
+        let port = port.to_string();
+        let mut all = vec![
+            "--tls", "--sni", &sni, "--cacert", &ca, "-h", &host, "-p", &port,
+        ];
+        all.extend(args.iter().map(String::as_str));
+        cli(&all)
+    })
+    .await?
+}
+
+/// A key of shard 1 asked at shard 0's SNI name (a 2-shard cluster) is redirected to a shard
+/// 1 name on the TLS port.
+async fn sni_redirect(ca: &str, host: &str, port: u16, domain: &str, tag: &str) -> Result<()> {
+    let key = shardgate_harness::clients::spread_keys(4, tag)
+        .into_iter()
+        .find(|k| shardgate_harness::valkey::key_slot(k.as_bytes()) > 8192)
+        .context("a key of shard 1")?;
+    let (ca, host, sni) = (ca.to_string(), host.to_string(), format!("vc-0-0.{domain}"));
+    let moved = redis_cli_sni(ca, host, port, sni, vec!["GET".into(), key.clone()]).await?;
+    ensure!(
+        moved.contains("MOVED")
+            && moved.contains("vc-1-")
+            && moved.contains(&format!(".{domain}:{port}")),
+        "GET {key} at vc-0-0: {moved}"
+    );
     Ok(())
 }
 
