@@ -219,6 +219,39 @@ pub struct Reload {
 /// formed cluster's pace, past the minute or two the kubelet takes to write a Secret.
 pub const BEHIND_LOOKS: u32 = 10;
 
+/// What keeps the proxy from using `proxy.clientSecretName`'s Secret `name`, if anything:
+/// without it the kubelet starts no proxy pod, and a proxy that cannot load it does not
+/// start. Read by name, as `spec.tls`'s is, and said in status rather than left to the
+/// pods' events.
+pub async fn client_secret_problem(ctx: &Context, ns: &str, name: &str) -> Result<Option<String>> {
+    let secret = Api::<Secret>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await?;
+    let why = match secret {
+        None => Some(format!("not found in namespace {ns}")),
+        Some(secret) => identity_problem(&secret),
+    };
+    Ok(why.map(|why| format!("proxy.clientSecretName: Secret {name} {why}")))
+}
+
+/// Why a Secret's `tls.crt` and `tls.key` are not a certificate and its key, if they are
+/// not.
+fn identity_problem(secret: &Secret) -> Option<String> {
+    let data = secret.data.as_ref();
+    let get = |k: &str| {
+        data.and_then(|d| d.get(k))
+            .map(|v| v.0.as_slice())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| format!("has no {k} (it needs {CERT} and {KEY})"))
+    };
+    let checked = get(CERT).and_then(|cert| {
+        shardgate_admin_client::pem::certificates(cert).map_err(|e| format!("{CERT}: {e}"))?;
+        let key = get(KEY)?;
+        shardgate_admin_client::pem::private_key(key).map_err(|e| format!("{KEY}: {e}"))
+    });
+    checked.err()
+}
+
 /// The TLS settings of a Secret: its CA, and its certificate and key as the client's.
 fn from_secret(secret: &Secret) -> Result<Tls, String> {
     let data = secret.data.as_ref();
@@ -235,6 +268,39 @@ fn from_secret(secret: &Secret) -> Result<Tls, String> {
 mod tests {
     use super::*;
     use k8s_openapi::ByteString;
+
+    /// The proxy's own certificate Secret: both keys, each PEM of its kind.
+    #[test]
+    fn a_client_secret_needs_a_certificate_and_its_key() {
+        let pki = shardgate_harness::tls::TestPki::new("vc.test").unwrap();
+        let app = pki.client_cert("app", "app").unwrap();
+        let secret = |pairs: &[(&str, &str)]| {
+            let data = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect();
+            Secret {
+                data: Some(data),
+                ..Secret::default()
+            }
+        };
+        let good = secret(&[(CERT, &app.cert_pem), (KEY, &app.key_pem)]);
+        assert_eq!(identity_problem(&good), None);
+        assert_eq!(
+            identity_problem(&secret(&[(CERT, &app.cert_pem)])),
+            Some("has no tls.key (it needs tls.crt and tls.key)".into())
+        );
+        assert_eq!(
+            identity_problem(&Secret::default()),
+            Some("has no tls.crt (it needs tls.crt and tls.key)".into())
+        );
+        let swapped = secret(&[(CERT, &app.key_pem), (KEY, &app.cert_pem)]);
+        let why = identity_problem(&swapped).unwrap();
+        assert!(why.starts_with("tls.crt: no CERTIFICATE block"), "{why}");
+        let no_key = secret(&[(CERT, &app.cert_pem), (KEY, &app.cert_pem)]);
+        let why = identity_problem(&no_key).unwrap();
+        assert!(why.starts_with("tls.key: no PRIVATE KEY block"), "{why}");
+    }
 
     /// Node pods without the Secret's volume are on plain RESP; the proxy's pods (no shard
     /// index), pods being deleted and pods older than the cluster do not count.

@@ -358,6 +358,8 @@ pub struct Exposed {
     pub host: Option<String>,
     /// The ready proxy pods.
     pub ready_replicas: i32,
+    /// What keeps the proxy pods from running that the user must fix (a Secret missing).
+    pub problems: Vec<String>,
 }
 
 /// Applies the proxy's objects when `vc` is in proxy mode, and deletes them when it is not
@@ -386,6 +388,10 @@ pub async fn apply_proxy(vc: &ValkeyCluster, ctx: &Context) -> Result<Option<Exp
         _ => None,
     });
     let objects = desired(vc, ea, proxy, &ctx.proxy_image, host.as_deref())?;
+    let mut problems = vec![];
+    if let (Some(_), Some(client)) = (&vc.spec.tls, &proxy.client_secret_name) {
+        problems.extend(crate::tls::client_secret_problem(ctx, &ns, client).await?);
+    }
     apply_one(ctx, &ns, &objects.service_account).await?;
     apply_one(ctx, &ns, &objects.role).await?;
     apply_one(ctx, &ns, &objects.binding).await?;
@@ -398,6 +404,7 @@ pub async fn apply_proxy(vc: &ValkeyCluster, ctx: &Context) -> Result<Option<Exp
             service: svc.name_any(),
             host,
             ready_replicas: 0,
+            problems,
         }));
     }
     let deployment = apply_one(ctx, &ns, &objects.deployment).await?;
@@ -410,6 +417,7 @@ pub async fn apply_proxy(vc: &ValkeyCluster, ctx: &Context) -> Result<Option<Exp
         service: svc.name_any(),
         host,
         ready_replicas,
+        problems,
     }))
 }
 
@@ -496,6 +504,7 @@ pub fn observe(
         });
         return Ok(out);
     };
+    out.missing.extend(exposed.problems.iter().cloned());
     if exposed.ready_replicas == 0 {
         out.missing.push("no proxy pod is ready yet".into());
     }

@@ -23,7 +23,7 @@ use shardgate_operator_e2e::external::{
     bootstrap_seeds, external_cluster, failovers_under_load, only_external_addresses, proxy_access,
     redis_cli_set_get, wait_external_ready, FORM,
 };
-use shardgate_operator_e2e::{cluster_client, create, eventually, pod_addrs, Operator};
+use shardgate_operator_e2e::{cluster_client, condition, create, eventually, pod_addrs, Operator};
 
 fn main() -> ExitCode {
     let Some(suite) = shardgate_operator_e2e::suite_with_crds() else {
@@ -380,8 +380,6 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     let domain = "vc.test";
     let sni_cert = tls.pki.wildcard("proxy")?;
     tls_secret(client, ns, "vc-sni", &sni_cert).await?;
-    // The proxy's own client certificate, of the cluster's CA.
-    tls_secret(client, ns, "vc-proxy-client", &tls.app).await?;
     let operator = Operator::start(client, ns);
     let (base, sni_port) = (32900u16, 32990u16);
     let external = json!({
@@ -398,6 +396,21 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     let mut vc = external_cluster("vc", 2, 1, external)?;
     vc.spec.tls = serde_json::from_value(json!({ "secretName": "vc-tls" }))?;
     create(client, ns, &vc).await?;
+    // The proxy's own client certificate (of the cluster's CA) is not there yet: status
+    // says so, rather than only that no proxy pod is ready.
+    let api = Api::<ValkeyCluster>::namespaced(client.clone(), ns);
+    eventually("status naming the missing client Secret", FORM, || async {
+        let vc = api.get("vc").await?;
+        let ready = condition(&vc, "ExternalAccessReady");
+        ensure!(
+            ready.as_ref().is_some_and(|(s, _, m)| s == "False"
+                && m.contains("proxy.clientSecretName: Secret vc-proxy-client not found")),
+            "ExternalAccessReady: {ready:?}"
+        );
+        Ok(())
+    })
+    .await?;
+    tls_secret(client, ns, "vc-proxy-client", &tls.app).await?;
     let vc = wait_external_ready(client, ns, "vc").await?;
     let status = vc.status.clone().context("status")?;
     let ingress = status.external_endpoints[0].host.clone();
