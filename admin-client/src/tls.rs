@@ -64,8 +64,9 @@ impl Tls {
         Self::build(ca, identity, None)
     }
 
-    /// As [`Tls::from_pem`], and every node's certificate must name `name` (which is sent
-    /// as SNI), as webpki checks a server's: for nodes that all carry one name.
+    /// As [`Tls::from_pem`], and every node's certificate must name `name` (sent as SNI
+    /// when it is a DNS name), as webpki checks a server's: for nodes that all carry one
+    /// name.
     ///
     /// # Errors
     ///

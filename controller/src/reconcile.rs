@@ -91,12 +91,11 @@ async fn apply(vc: &ValkeyCluster, ctx: &Context) -> Result<Action> {
             let note = "spec.tls was set before this operator version acted on it: the nodes \
                         run plain RESP and stay on it (a node on TLS and one on plain RESP \
                         cannot talk on the cluster bus, so TLS cannot be turned on one pod at \
-                        a time); for TLS, make a new cluster";
+                        a time), and externalAccess.proxy.clientSecretName is not used; for \
+                        TLS, make a new cluster";
             publish(ctx, vc, EventType::Warning, "TLSNotApplied", note).await;
         }
-        let mut plain = vc.clone();
-        plain.spec.tls = None;
-        on_plain = plain;
+        on_plain = crate::tls::as_plain(vc);
         &on_plain
     } else {
         ctx.warned.cleared(vc, "TLSNotApplied");

@@ -219,6 +219,22 @@ pub struct Reload {
 /// formed cluster's pace, past the minute or two the kubelet takes to write a Secret.
 pub const BEHIND_LOOKS: u32 = 10;
 
+/// `vc` as it runs when its nodes are on plain RESP ([`nodes_on_plain`]): without `tls`,
+/// nor what only nodes on TLS use (the proxy's client certificate for them).
+pub fn as_plain(vc: &ValkeyCluster) -> ValkeyCluster {
+    let mut plain = vc.clone();
+    plain.spec.tls = None;
+    if let Some(proxy) = plain
+        .spec
+        .external_access
+        .as_mut()
+        .and_then(|ea| ea.proxy.as_mut())
+    {
+        proxy.client_secret_name = None;
+    }
+    plain
+}
+
 /// What keeps the proxy from using `proxy.clientSecretName`'s Secret `name`, if anything:
 /// without it the kubelet starts no proxy pod, and a proxy that cannot load it does not
 /// start. Read by name, as `spec.tls`'s is, and said in status rather than left to the
@@ -231,7 +247,7 @@ pub async fn client_secret_problem(ctx: &Context, ns: &str, name: &str) -> Resul
         None => Some(format!("not found in namespace {ns}")),
         Some(secret) => identity_problem(&secret),
     };
-    Ok(why.map(|why| format!("proxy.clientSecretName: Secret {name} {why}")))
+    Ok(why.map(|why| format!("externalAccess.proxy.clientSecretName: Secret {name} {why}")))
 }
 
 /// Why a Secret's `tls.crt` and `tls.key` are not a certificate and its key, if they are
@@ -268,6 +284,20 @@ fn from_secret(secret: &Secret) -> Result<Tls, String> {
 mod tests {
     use super::*;
     use k8s_openapi::ByteString;
+
+    /// A cluster kept on plain RESP is valid without `tls`: what needs it goes too.
+    #[test]
+    fn a_cluster_on_plain_drops_what_needs_tls() {
+        let mut ea = shardgate_crds::external_access::ExternalAccess::proxy(31000);
+        if let Some(p) = ea.proxy.as_mut() {
+            p.client_secret_name = Some("vc-proxy-client".into());
+        }
+        let vc = ValkeyCluster::test("vc").tls("vc-tls").external(ea);
+        assert_eq!(vc.spec.validate(), Ok(()));
+        let plain = as_plain(&vc);
+        assert_eq!(plain.spec.tls, None);
+        assert_eq!(plain.spec.validate(), Ok(()));
+    }
 
     /// The proxy's own certificate Secret: both keys, each PEM of its kind.
     #[test]

@@ -409,9 +409,9 @@ pub struct ProxySpec {
 
     /// With `tls` (nodes on TLS): a `kubernetes.io/tls` Secret whose certificate, signed by
     /// the CA of `tls.secretName`'s Secret, the proxy shows the nodes. Unset: the nodes' own
-    /// certificate and key, so that a proxy pod, which faces clients outside, holds a key
-    /// the nodes would take for one of theirs on the cluster bus. Set, the proxy pods mount
-    /// only `ca.crt` of `tls.secretName`'s Secret.
+    /// certificate and key; a proxy pod, which faces clients outside, then holds a key the
+    /// nodes would take for one of theirs on the cluster bus. Set, the proxy pods mount only
+    /// `ca.crt` of `tls.secretName`'s Secret.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub client_secret_name: Option<String>,

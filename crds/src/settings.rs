@@ -93,12 +93,15 @@ fn human(d: std::time::Duration) -> humantime::Duration {
 ///   --tls-mode terminate: the proxy terminates TLS (--tls-cert/--tls-key, reloaded on
 ///     change; --tls-client-ca for mTLS) and talks to the node as every leg does; with
 ///     --rewrite, TLS clients are handed each node's SNI name on the TLS port.
+///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000 --rewrite --advertise-host 203.0.113.7 \
+///     --tls-port 6380 --sni-prefix vc --sni-domain example.com --tls-cert tls.crt --tls-key tls.key
 ///
 /// Nodes over TLS (--tls-backend tls): every leg to the nodes is TLS (the node ports', a
 /// terminating TLS port's, and discovery's: --seed then names TLS addresses), checked
 /// against --tls-backend-ca, showing --tls-backend-cert if given.
 ///   shardgate-proxy --seed 10.0.0.5:6379 --base-port 30000 --rewrite --advertise-host 203.0.113.7 \
-///     --tls-port 6380 --sni-prefix vc --sni-domain example.com --tls-cert tls.crt --tls-key tls.key
+///     --tls-backend tls --tls-backend-ca ca.crt --tls-backend-chain-only \
+///     --tls-backend-cert tls.crt --tls-backend-key tls.key
 ///
 /// Endpoints on --admin-addr: /metrics (Prometheus), /healthz, /readyz, /routes (JSON).
 ///

@@ -139,6 +139,7 @@ pub(crate) fn proxy_client_secret_rule() -> Rule {
     ))
     .message(PROXY_CLIENT_SECRET_NEEDS_TLS)
     .field_path(".externalAccess.proxy.clientSecretName")
+    .reason(Reason::FieldValueForbidden)
 }
 
 /// Why `externalAccess.proxy.clientSecretName` is refused without `tls`.

@@ -145,6 +145,8 @@ pub enum ConfigError {
     NoBackendName,
     #[error("--tls-backend-cert and --tls-backend-key go together")]
     HalfAnIdentity,
+    #[error("--tls-backend-name {0:?}: not a DNS name or an IP address")]
+    BadBackendName(String),
 }
 
 impl ProxyConfig {
@@ -332,7 +334,11 @@ fn backend_tls_config(s: &ProxySettings) -> Result<BackendTlsConfig, ConfigError
     // clap refuses a name with --tls-backend-chain-only; settings built in code are checked
     // here in the same order: a name given is checked.
     let name = match (&s.tls_backend_name, s.tls_backend_chain_only, s.tls_port) {
-        (Some(n), _, _) => BackendName::Fixed(n.clone()),
+        (Some(n), _, _) => {
+            rustls_pki_types::ServerName::try_from(n.as_str())
+                .map_err(|_| ConfigError::BadBackendName(n.clone()))?;
+            BackendName::Fixed(n.clone())
+        }
         (None, true, _) => BackendName::ChainOnly,
         (None, false, Some(_)) => BackendName::Sni(Hostnames {
             prefix: s.sni_prefix.clone().unwrap_or_default(),
@@ -462,6 +468,10 @@ mod tests {
         assert_eq!(
             name(backend(&["--tls-backend-name", "valkey.internal"]).unwrap()),
             BackendName::Fixed("valkey.internal".into())
+        );
+        assert_eq!(
+            backend(&["--tls-backend-name", "not a name"]).unwrap_err(),
+            ConfigError::BadBackendName("not a name".into())
         );
         let sni = [
             "--tls-port",

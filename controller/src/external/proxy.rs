@@ -488,6 +488,7 @@ pub fn observe(
 ) -> Result<External> {
     let mut out = External::default();
     let hostnames = ea.hostnames(&vc.name_any());
+    out.missing.extend(exposed.problems.iter().cloned());
     let Some(host) = &exposed.host else {
         out.missing.push(match proxy.service_type {
             ServiceType::LoadBalancer => {
@@ -504,7 +505,6 @@ pub fn observe(
         });
         return Ok(out);
     };
-    out.missing.extend(exposed.problems.iter().cloned());
     if exposed.ready_replicas == 0 {
         out.missing.push("no proxy pod is ready yet".into());
     }

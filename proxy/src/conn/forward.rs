@@ -194,11 +194,7 @@ impl Forwarder {
         // Awaited in place, not handed to another async fn: a future moved into another
         // is stored twice, and a connection's state is what idle connections cost.
         let outcome = self.forward(client, port, &route).await;
-        // The address dialled: over TLS, the node's TLS address.
-        let dialled = match self.backend_tls {
-            Some(_) => route.tls_backend(),
-            None => &route.backend,
-        };
+        let dialled = route.dialled(self.backend_tls.is_some());
         self.closed(open, peer, dialled, outcome);
     }
 

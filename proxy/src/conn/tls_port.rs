@@ -180,10 +180,7 @@ impl TlsServer {
                     .get_or_create(&TlsVersionLabels { version })
                     .inc();
                 let backend = self.forwarder.backend_tls.as_ref().map(|t| t.borrow().clone());
-                let shown = match backend {
-                    Some(_) => first.tls_backend().clone(),
-                    None => first.backend.clone(),
-                };
+                let shown = first.dialled(backend.is_some()).clone();
                 let open = self.forwarder.opened(self.port);
                 let outcome = self.terminate(client, backend.as_deref(), &selected).await;
                 self.forwarder.closed(open, peer, &shown, outcome);

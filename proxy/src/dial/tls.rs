@@ -135,17 +135,11 @@ impl Reloadable for BackendTlsConfig {
                 webpki_connector(ca, ca_pem, identity, identity_pem)?,
                 Name::Sni(names.clone()),
             ),
-            BackendName::Fixed(n) => {
-                let fixed = ServerName::try_from(n.clone()).map_err(|e| CertError::Pem {
-                    path: ca.clone(),
-                    what: "backend server name",
-                    message: format!("{n:?}: {e}"),
-                })?;
-                (
-                    webpki_connector(ca, ca_pem, identity, identity_pem)?,
-                    Name::Fixed(fixed),
-                )
-            }
+            // The admin client's verifier checks that one name, as webpki does.
+            BackendName::Fixed(_) => match admin.server_name() {
+                Some(fixed) => (admin.connector().clone(), Name::Fixed(fixed.clone())),
+                None => return Err(internal(ca, "a fixed name without its check")),
+            },
         };
         Ok(BackendTls {
             connector,

@@ -57,6 +57,15 @@ impl Route {
     pub fn tls_backend(&self) -> &Backend {
         self.tls_backend.as_ref().unwrap_or(&self.backend)
     }
+
+    /// The address a plain leg (`tls` false) or a TLS leg to the node dials.
+    pub fn dialled(&self, tls: bool) -> &Backend {
+        if tls {
+            self.tls_backend()
+        } else {
+            &self.backend
+        }
+    }
 }
 
 /// Listener port → route.

@@ -1339,6 +1339,33 @@ async fn node_ports_reach_nodes_over_tls() {
     let mut s = TcpStream::connect((LO, base)).await.unwrap();
     assert_eq!(pipeline(&mut s, &[&["PING"]]).await, b"+PONG\r\n");
     handle.shutdown().await;
+    // Another name: discovery refuses the seed, and says why on /readyz.
+    let mut config = ProxyConfig::new(SourceConfig::Seed {
+        seeds: vec![Backend::ip(tls_addrs[1])],
+        base_port: free_port_range(LO, 3),
+        ports_per_shard: None,
+        refresh: Duration::from_millis(200),
+    });
+    config.listen_ip = LO.into();
+    config.admin_addr = Some(SocketAddr::from((LO, 0)));
+    config.drain_timeout = Duration::from_millis(200);
+    config.backend_tls = named("other.internal");
+    let handle = Proxy::start(config).await.unwrap();
+    let admin = handle.admin_addr().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = get(admin, "/readyz").unwrap();
+        if body.contains("not valid for name") {
+            assert_eq!(status, 503, "{body}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no name refusal on /readyz: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    handle.shutdown().await;
     // Another name: the node ports' legs are refused, counted, and the client closed.
     let source = routes_file(pki.dir(), &cluster, &tls_addrs);
     let SourceConfig::File { path, .. } = &source else {
