@@ -253,13 +253,7 @@ pub async fn client_secret_problem(ctx: &Context, ns: &str, name: &str) -> Resul
 /// Why a Secret's `tls.crt` and `tls.key` are not a certificate and its key, if they are
 /// not.
 fn identity_problem(secret: &Secret) -> Option<String> {
-    let data = secret.data.as_ref();
-    let get = |k: &str| {
-        data.and_then(|d| d.get(k))
-            .map(|v| v.0.as_slice())
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| format!("has no {k} (it needs {CERT} and {KEY})"))
-    };
+    let get = |k| secret_key(secret, k, &format!("{CERT} and {KEY}"));
     let checked = get(CERT).and_then(|cert| {
         shardgate_admin_client::pem::certificates(cert).map_err(|e| format!("{CERT}: {e}"))?;
         let key = get(KEY)?;
@@ -270,14 +264,19 @@ fn identity_problem(secret: &Secret) -> Option<String> {
 
 /// The TLS settings of a Secret: its CA, and its certificate and key as the client's.
 fn from_secret(secret: &Secret) -> Result<Tls, String> {
-    let data = secret.data.as_ref();
-    let key = |k: &str| {
-        data.and_then(|d| d.get(k))
-            .map(|v| v.0.as_slice())
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| format!("has no {k} (it needs {CA}, {CERT} and {KEY})"))
-    };
-    Tls::from_pem(key(CA)?, Some((key(CERT)?, key(KEY)?))).map_err(|e| e.to_string())
+    let get = |k| secret_key(secret, k, &format!("{CA}, {CERT} and {KEY}"));
+    Tls::from_pem(get(CA)?, Some((get(CERT)?, get(KEY)?))).map_err(|e| e.to_string())
+}
+
+/// A Secret's non-empty value of `key`, else why not (the Secret needs the keys `needs`).
+fn secret_key<'a>(secret: &'a Secret, key: &str, needs: &str) -> Result<&'a [u8], String> {
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .map(|v| v.0.as_slice())
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| format!("has no {key} (it needs {needs})"))
 }
 
 #[cfg(test)]
