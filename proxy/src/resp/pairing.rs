@@ -257,23 +257,35 @@ pub enum Answer {
 pub const MAX_TRANSACTION_RUNS: usize = 16 * 1024;
 
 /// The queue between the two directions of one connection.
+// `repr(C)`: the queue and the flags that every read looks at first, so that with the
+// lock before them they take one cache line (`rewrite::stream::Rewriting`).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct Pairing {
     /// Expected replies, oldest first, run-length encoded.
     queue: VecDeque<(Expect, u64)>,
+    // Read on every read, by one side or the other.
+    /// The pairing found a reply it cannot place.
+    lost: Option<Lost>,
+    in_multi: bool,
+    reply_off: bool,
+    skip_next: bool,
+    subscribed: bool,
+    monitor: bool,
+    /// Whether the server speaks RESP3 (a HELLO 3 was answered with a map). In RESP3 only a
+    /// push frame (`>`) is out of band: an array is a reply, whatever its first element.
+    resp3: bool,
+    /// Every reply placed by the general rules, without the shortcut for a run of plain
+    /// commands: only in the test that holds the two to each other.
+    general_only: bool,
+    // The rest.
     /// Whether INFO and ROLE are rewritten.
     pub rewrite_info: bool,
-    // Request side.
-    in_multi: bool,
-    /// The commands queued in the transaction, as [`Expect::Exec`] holds them.
-    transaction: Vec<(Expect, u64)>,
     /// The transaction had more than [`MAX_TRANSACTION_RUNS`] runs: it is no longer
     /// recorded, and its EXEC's reply goes out as it comes.
     transaction_overflow: bool,
     /// The protocol the last `HELLO 2|3` queued in the transaction switches to.
     transaction_protocol: Option<bool>,
-    reply_off: bool,
-    skip_next: bool,
     /// The transaction being queued cannot be followed past its EXEC.
     transaction_lost: Option<Lost>,
     /// The status line being placed is not a monitor line, whatever `monitor` says (a long
@@ -285,26 +297,22 @@ pub struct Pairing {
     /// The client sent input Valkey rejects with a protocol error: Valkey answers it and
     /// closes, with no command to pair that answer with.
     rejected: bool,
-    // Reply side.
-    /// The pairing found a reply it cannot place.
-    lost: Option<Lost>,
-    subscribed: bool,
+    /// The commands queued in the transaction, as [`Expect::Exec`] holds them (empty
+    /// unless `in_multi`).
+    transaction: Vec<(Expect, u64)>,
     /// Subscriptions held, as the confirmations report them: a (un)subscribe or
     /// p(un)subscribe confirmation counts channels and patterns together, an
     /// s(un)subscribe one counts shard channels alone.
     channels: u64,
     patterns: u64,
     shard_channels: u64,
-    monitor: bool,
-    /// Whether the server speaks RESP3 (a HELLO 3 was answered with a map). In RESP3 only a
-    /// push frame (`>`) is out of band: an array is a reply, whatever its first element.
-    resp3: bool,
-    /// Every reply placed by the general rules, without the shortcut for a run of plain
-    /// commands: only in the test that holds the two to each other.
-    general_only: bool,
 }
 
 impl Pairing {
+    /// Where the fields that every read looks at end (see the layout above).
+    #[cfg(test)]
+    pub(crate) const HOT_END: usize = std::mem::offset_of!(Pairing, general_only) + 1;
+
     pub fn new(rewrite_info: bool) -> Self {
         Pairing {
             rewrite_info,
@@ -385,7 +393,9 @@ impl Pairing {
     /// Entries in the queue and in the transaction being queued: runs of like commands
     /// (what costs memory).
     pub fn entries(&self) -> usize {
-        self.queue.len() + self.transaction.len()
+        // The transaction is looked at only in one: its vector is off the hot cache line.
+        debug_assert!(self.in_multi || self.transaction.is_empty());
+        self.queue.len() + if self.in_multi { self.transaction.len() } else { 0 }
     }
 
     /// Notes one command queued in the transaction (`expect`: its reply inside EXEC's).
