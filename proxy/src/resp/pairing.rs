@@ -1197,31 +1197,78 @@ impl Commands for Pairing {
     }
 
     /// Not one of the names [`Pairing::on_request`] and [`Expect::of`] tell apart.
-    #[inline]
+    #[inline(always)]
     fn plain_name(name: &[u8]) -> bool {
-        let Some(first) = name.first() else {
-            return true;
-        };
-        let looked_at: &[&[u8]] = match first.to_ascii_lowercase() {
-            b'c' => &[b"client", b"cluster"],
-            b'd' => &[b"discard"],
-            b'e' => &[b"exec"],
-            b'h' => &[b"hello"],
-            b'i' => &[b"info"],
-            b'm' => &[b"multi", b"monitor"],
-            b'p' => &[b"psubscribe", b"punsubscribe"],
-            b'r' => &[b"reset", b"role"],
-            b's' => &[b"subscribe", b"ssubscribe", b"sunsubscribe"],
-            b'u' => &[b"unsubscribe"],
-            _ => return true,
-        };
-        !looked_at.iter().any(|n| n.eq_ignore_ascii_case(name))
+        // Most names have a first letter and length no looked-at name has (GET, SET): one
+        // test, in the caller's loop; the others are compared out of line.
+        match name.first() {
+            Some(&first) if looked_at_shape(first, name.len()) => plain_name_by_words(name),
+            _ => true,
+        }
     }
 
     fn plain(&mut self, n: u64) {
         self.requested = true;
         self.push_n(Expect::Other, n);
     }
+}
+
+/// Whether a looked-at name starts with `first`, in either case, and is `len` bytes long:
+/// the names in [`plain_name_by_words`], by first letter and length.
+#[inline(always)]
+fn looked_at_shape(first: u8, len: usize) -> bool {
+    const NAMES: &[&[u8]] = &[
+        b"client", b"cluster", b"discard", b"exec", b"hello", b"info", b"multi", b"monitor",
+        b"psubscribe", b"punsubscribe", b"reset", b"role", b"subscribe", b"ssubscribe",
+        b"sunsubscribe", b"unsubscribe",
+    ];
+    // For each letter, a bit for each length (all under 16) a looked-at name of it has;
+    // and a bit for each letter that has one.
+    const LENGTHS: [u16; 26] = {
+        let mut lengths = [0; 26];
+        let mut i = 0;
+        while i < NAMES.len() {
+            lengths[(NAMES[i][0] - b'a') as usize] |= 1 << NAMES[i].len();
+            i += 1;
+        }
+        lengths
+    };
+    const LETTERS: u32 = {
+        let mut letters = 0;
+        let mut k = 0;
+        while k < 26 {
+            letters |= ((LENGTHS[k] != 0) as u32) << k;
+            k += 1;
+        }
+        letters
+    };
+    // `| 0x20` lowers a capital and leaves a small letter; no other byte lands in a..=z.
+    // The letter first: one test for most names (GET), with no load.
+    let k = (first | 0x20).wrapping_sub(b'a');
+    k < 26 && LETTERS >> k & 1 == 1 && len < 16 && LENGTHS[usize::from(k)] >> len & 1 == 1
+}
+
+/// [`Commands::plain_name`] for a name with the first letter and length of a looked-at
+/// one.
+#[inline(never)]
+fn plain_name_by_words(name: &[u8]) -> bool {
+    let Some(first) = name.first() else {
+        return true;
+    };
+    let looked_at: &[&[u8]] = match first.to_ascii_lowercase() {
+        b'c' => &[b"client", b"cluster"],
+        b'd' => &[b"discard"],
+        b'e' => &[b"exec"],
+        b'h' => &[b"hello"],
+        b'i' => &[b"info"],
+        b'm' => &[b"multi", b"monitor"],
+        b'p' => &[b"psubscribe", b"punsubscribe"],
+        b'r' => &[b"reset", b"role"],
+        b's' => &[b"subscribe", b"ssubscribe", b"sunsubscribe"],
+        b'u' => &[b"unsubscribe"],
+        _ => return true,
+    };
+    !looked_at.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
 /// Whether a RESP2 array is a pub/sub frame, by its first element.
@@ -1296,6 +1343,24 @@ pub(crate) mod tests {
             }
         }
         out
+    }
+
+    /// The shape test takes exactly the first letters and lengths of the looked-at names
+    /// (written out here by hand), in either case: `| 0x20` folds no other byte onto a
+    /// letter.
+    #[test]
+    fn the_shape_test_takes_the_looked_at_shapes_only() {
+        let shapes = [
+            "c6", "c7", "d7", "e4", "h5", "i4", "m5", "m7", "p10", "p12", "r5", "r4", "s9",
+            "s10", "s12", "u11",
+        ];
+        for b in 0..=u8::MAX {
+            for len in 0..40 {
+                let want = shapes.contains(&format!("{}{len}", b.to_ascii_lowercase() as char).as_str())
+                    && b.is_ascii_alphabetic();
+                assert_eq!(looked_at_shape(b, len), want, "{b:#04x} {len}");
+            }
+        }
     }
 
     /// Every lowercase word in the pairing's code (names and subcommands it looks at, and

@@ -2,6 +2,7 @@
 //! stream past, without buffering them (a 512 MB SET streams through in buffer-sized
 //! pieces). Both encodings are understood: RESP arrays of bulk strings and inline commands.
 
+use super::scanner::short_header;
 use super::RespError;
 
 /// How many leading arguments (the name included) are kept.
@@ -392,16 +393,31 @@ impl RequestScanner {
 
     /// The whole commands at the start of `buf` that [`RequestScanner::whole_command`]
     /// reads and whose names `C` takes as plain: how many, and where they end.
-    #[inline]
+    ///
+    /// Out of line, so that the loop has the registers to itself: it is called once per
+    /// read.
+    #[inline(never)]
     fn plain_commands<C: Commands>(&self, buf: &[u8]) -> (u64, usize) {
+        // A line limit under three bytes would refuse the short headers: take every command
+        // the long way.
+        let short = self.max_line > 2;
         let (mut n, mut at) = (0, 0);
-        while let Some((_, len)) = command_at(&buf[at..], self.max_line, |index, arg| {
-            index > 0 || C::plain_name(arg)
-        }) {
-            n += 1;
-            at += len;
+        loop {
+            if short {
+                let (k, len) = short_plain_commands::<C>(&buf[at..]);
+                n += k;
+                at += len;
+            }
+            match command_at(&buf[at..], self.max_line, |index, arg| {
+                index > 0 || C::plain_name(arg)
+            }) {
+                Some((_, len)) => {
+                    n += 1;
+                    at += len;
+                }
+                None => return (n, at),
+            }
         }
-        (n, at)
     }
 
     /// A line without its CR. A RESP header line (`*<n>`, `$<n>`) ends at its first CR,
@@ -523,6 +539,47 @@ fn command_at(
     }
     Some((argc, at))
 }
+
+/// The whole plain commands at the start of `buf` that [`short_plain_command`] takes: how
+/// many, and where they end. A loop of its own, with nothing else to keep in registers.
+#[inline(always)]
+fn short_plain_commands<C: Commands>(buf: &[u8]) -> (u64, usize) {
+    let (mut n, mut at) = (0, 0);
+    while let Some(len) = short_plain_command::<C>(&buf[at..]) {
+        n += 1;
+        at += len;
+    }
+    (n, at)
+}
+
+/// The length of the whole plain command at the start of `buf` when every header in it has
+/// one or two digits, and it is followed by at least one byte: what [`command_at`] with a
+/// plain name gives then, in fewer steps (one window per header, no sums that can
+/// overflow). `None` when unsure, for [`command_at`] to decide; never for a command it
+/// would take otherwise. The line limit must be 3 or more.
+#[inline(always)]
+fn short_plain_command<C: Commands>(buf: &[u8]) -> Option<usize> {
+    let (argc, mut at) = short_header(buf, 0, b'*')?;
+    if argc == 0 {
+        return None;
+    }
+    let (len, head) = short_header(buf, at, b'$')?;
+    let (start, end) = (at + head, at + head + len);
+    if buf.get(end..end + 2)? != b"\r\n" || !C::plain_name(buf.get(start..end)?) {
+        return None;
+    }
+    at = end + 2;
+    for _ in 1..argc {
+        let (len, head) = short_header(buf, at, b'$')?;
+        let end = at + head + len;
+        if buf.get(end..end + 2)? != b"\r\n" {
+            return None;
+        }
+        at = end + 2;
+    }
+    Some(at)
+}
+
 
 /// A `<ty><digits>\r\n` header at the start of `buf`, its digits a number without sign
 /// or leading zero (`0` alone excepted) that fits in 18 digits, its line no longer than
@@ -731,6 +788,46 @@ pub(crate) mod tests {
         assert_eq!(header(b"*05\r\n", b'*', 64), None);
         assert_eq!(header(b"$16\r\n", b'$', 2), None);
         assert_eq!(header(b"$16\r\n", b'$', 3), Some((16, 5)));
+    }
+
+    /// The short header reads what the header does, or leaves it to it: every header-like
+    /// buffer of up to six bytes after the type byte. It takes every one- and two-digit
+    /// header with a byte after it, so that the short path is the one commands take.
+    #[test]
+    fn a_short_header_reads_as_the_header() {
+        for first in [b'*', b'$'] {
+            every_buffer(first, b"019-\r\nx", 6, |buf| {
+                for ty in [b'*', b'$'] {
+                    let long = header(buf, ty, 3);
+                    match short_header(buf, 0, ty) {
+                        Some((n, len)) => assert_eq!(long, Some((n as u64, len))),
+                        None => assert!(
+                            long.is_none_or(|(n, len)| n > 99 || buf.len() <= len),
+                            "{:?} left to the header",
+                            String::from_utf8_lossy(buf)
+                        ),
+                    }
+                }
+            });
+        }
+        // Hand-read: at an offset, a leading zero, no byte after the header.
+        assert_eq!(short_header(b"xx$16\r\nk", 2, b'$'), Some((16, 5)));
+        assert_eq!(short_header(b"*05\r\nk", 0, b'*'), None);
+        assert_eq!(short_header(b"$3\r\n", 0, b'$'), None);
+    }
+
+    /// A pipeline of plain commands with one- and two-digit headers goes the short way
+    /// whole, up to the command cut off by the read.
+    #[test]
+    fn plain_commands_go_the_short_way() {
+        use crate::resp::pairing::Pairing;
+        let get = b"*2\r\n$3\r\nGET\r\n$16\r\nkey:__rand_int__\r\n";
+        let set = b"*3\r\n$3\r\nset\r\n$1\r\nk\r\n$10\r\n0123456789\r\n";
+        let read = [&get[..], set, get, &set[..9]].concat();
+        assert_eq!(short_plain_commands::<Pairing>(&read), (3, 36 + 37 + 36));
+        // A looked-at name stops it.
+        let read = [&get[..], b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nslots\r\n"].concat();
+        assert_eq!(short_plain_commands::<Pairing>(&read), (1, 36));
     }
 
     /// (name, first argument, argument count) of each command.
@@ -993,6 +1090,28 @@ pub(crate) mod tests {
                 (reads, state)
             };
             prop_assert_eq!(run(false), run(true), "{:?}", String::from_utf8_lossy(&input));
+        }
+
+        /// A command the short path takes is one the general reading takes, with the same
+        /// length, under any line limit of 3 or more.
+        #[test]
+        fn the_short_path_takes_what_the_general_one_does(
+            pieces in proptest::collection::vec(request_piece(), 1..4),
+            flip in proptest::option::of((any::<prop::sample::Index>(), any::<u8>())),
+            cut in proptest::option::of(any::<prop::sample::Index>()),
+            max_line in prop_oneof![Just(3usize), Just(4), Just(40)],
+        ) {
+            use crate::resp::pairing::Pairing;
+            let mut input = flipped(&pieces, flip);
+            if let Some(cut) = cut {
+                input.truncate(cut.index(input.len() + 1));
+            }
+            if let Some(len) = short_plain_command::<Pairing>(&input) {
+                let general = command_at(&input, max_line, |index, arg| {
+                    index > 0 || Pairing::plain_name(arg)
+                });
+                prop_assert_eq!(general.map(|(_, len)| len), Some(len), "{:?}", String::from_utf8_lossy(&input));
+            }
         }
 
         #[test]

@@ -292,7 +292,17 @@ impl Scanner {
         if !self.one_pass || self.failed.is_some() {
             return (0, at);
         }
+        // A line limit under two bytes would refuse two-digit lengths: no short way then.
+        let short = self.max_line >= 2;
         while n < max {
+            if short {
+                let (k, len) = short_replies(&buf[at..], max - n);
+                n += k;
+                at += len;
+                if n == max {
+                    break;
+                }
+            }
             let rest = &buf[at..];
             let end = match rest.first() {
                 Some(b'$') => whole_bulk(rest, self.max_line),
@@ -429,6 +439,24 @@ fn whole_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
     (buf.get(end..end + 2)? == b"\r\n").then_some(end + 2)
 }
 
+/// A `<ty><d>\r\n` or `<ty><d><d>\r\n` header at `at` in `buf`, no leading zero, read
+/// from a window of five bytes (a one-digit header in a whole frame or command has at
+/// least one byte after it): its number and length. `None` for anything else.
+#[inline(always)]
+pub(super) fn short_header(buf: &[u8], at: usize, ty: u8) -> Option<(usize, usize)> {
+    let &[t, d1, c2, c3, c4] = buf.get(at..)?.first_chunk::<5>()?;
+    let d1 = d1.wrapping_sub(b'0');
+    if t != ty || d1 > 9 {
+        return None;
+    }
+    if c2 == b'\r' {
+        return (c3 == b'\n').then_some((usize::from(d1), 4));
+    }
+    let d2 = c2.wrapping_sub(b'0');
+    (d2 <= 9 && d1 != 0 && c3 == b'\r' && c4 == b'\n')
+        .then(|| (usize::from(d1 * 10 + d2), 5))
+}
+
 /// [`whole_bulk`] for any length.
 #[inline(never)]
 fn long_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
@@ -461,6 +489,30 @@ fn whole_line(buf: &[u8]) -> Option<usize> {
     let nl = memchr::memchr(b'\n', buf.get(1..)?)?;
     // `buf[nl]` is the byte before the LF; the type byte itself if the line is empty.
     (nl > 0 && buf[nl] == b'\r').then_some(nl + 2)
+}
+
+/// Up to `max` whole replies at the start of `buf` that are `+OK` or bulk strings whose
+/// lengths have one or two digits, as [`whole_line`] and [`whole_bulk`] read them: how
+/// many, and where they end. A loop of its own, with nothing else to keep in registers;
+/// the line limit must be 2 or more.
+#[inline(always)]
+fn short_replies(buf: &[u8], max: u64) -> (u64, usize) {
+    let (mut n, mut at) = (0, 0);
+    while n < max {
+        at = match short_header(buf, at, b'$') {
+            Some((len, head)) => {
+                let end = at + head + len;
+                if buf.get(end..end + 2) != Some(b"\r\n") {
+                    break;
+                }
+                end + 2
+            }
+            None if buf.get(at..at + 5) == Some(b"+OK\r\n") => at + 5,
+            None => break,
+        };
+        n += 1;
+    }
+    (n, at)
 }
 
 /// A top-level frame that is one line, or one bulk string, all in `buf`.
@@ -549,6 +601,27 @@ mod tests {
             assert_eq!(whole_bulk(buf, max_line), want, "{:?}", String::from_utf8_lossy(buf));
             assert_eq!(long_bulk(buf, max_line), want, "{:?}", String::from_utf8_lossy(buf));
         }
+    }
+
+    /// The short loop takes a bulk string only as the inline reading does, `+OK` as a
+    /// line, and stops at `max`.
+    #[test]
+    fn the_short_loop_reads_replies_as_the_inline_reading() {
+        every_buffer(b'$', b"019-\r\nx", 7, |buf| {
+            if let (1, len) = short_replies(buf, 1) {
+                assert_eq!(whole_bulk(buf, 2), Some(len), "{:?}", String::from_utf8_lossy(buf));
+            }
+        });
+        every_buffer(b'+', b"OK\r\n", 5, |buf| {
+            if let (1, len) = short_replies(buf, 1) {
+                assert_eq!(whole_line(buf), Some(len), "{:?}", String::from_utf8_lossy(buf));
+            }
+        });
+        let three = b"$10\r\n0123456789\r\n+OK\r\n$3\r\nabc\r\n+OKAY\r\n";
+        assert_eq!(short_replies(three, 5), (3, 31));
+        assert_eq!(short_replies(three, 1), (1, 17));
+        assert_eq!(short_replies(b"$-1\r\n$3\r\nabc\r\n", 5), (0, 0));
+        assert_eq!(short_replies(b"+OK\r", 5), (0, 0));
     }
 
     /// Frame ends, scanning the whole input in one call per frame.
