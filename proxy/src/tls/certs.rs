@@ -201,6 +201,28 @@ impl CertFiles {
 /// The config in force, and its changes.
 pub type ServerConfigRx = watch::Receiver<Arc<ServerConfig>>;
 
+/// The files' contents if they changed (`known` says which contents are not news), once two
+/// reads in a row agree. The files are read one after the other, so a Secret swapped between
+/// two of them reads as one version's certificate with the other's key: a mix that would
+/// fail to build and be reported, although the files were never wrong. Two equal reads
+/// saw no swap (a swap between them would make them differ); a differing pair waits for the
+/// next poll.
+fn settled_change<R: Reloadable>(
+    files: &R,
+    known: impl Fn(&Contents) -> bool,
+) -> Result<Option<Contents>, CertError> {
+    let first = files.read()?;
+    if known(&first) {
+        return Ok(None);
+    }
+    let again = files.read()?;
+    if again != first {
+        tracing::debug!("{}: changed while read, read again next time", files.describe());
+        return Ok(None);
+    }
+    Ok(Some(first))
+}
+
 /// Polls `files` every `interval` until `shutdown`, and publishes each version that loads,
 /// counting each in `reloads` (`ok`, `error`).
 pub async fn reload<R: Reloadable>(
@@ -221,10 +243,14 @@ pub async fn reload<R: Reloadable>(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
-        let files2 = files.clone();
-        let read = tokio::task::spawn_blocking(move || files2.read()).await;
+        let (files2, seen2, failed2) = (files.clone(), seen.clone(), failed.clone());
+        let read = tokio::task::spawn_blocking(move || {
+            settled_change(&files2, |c| *c == seen2 || failed2.as_ref() == Some(c))
+        })
+        .await;
         let contents = match read {
-            Ok(Ok(c)) => c,
+            Ok(Ok(Some(c))) => c,
+            Ok(Ok(None)) => continue,
             Ok(Err(e)) => {
                 // A file mid-swap; it is read again next time.
                 tracing::debug!("TLS files: {e}");
@@ -232,9 +258,6 @@ pub async fn reload<R: Reloadable>(
             }
             Err(_) => continue,
         };
-        if contents == seen || failed.as_ref() == Some(&contents) {
-            continue;
-        }
         match files.build(&contents) {
             Ok(config) => {
                 tx.send_replace(Arc::new(config));
@@ -249,5 +272,89 @@ pub async fn reload<R: Reloadable>(
                 tracing::error!("{} reload failed, keeping the one in force: {e}", files.describe());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use shardgate_harness::tls::{CertPair, TestPki};
+
+    use super::*;
+
+    type Swap = Box<dyn FnOnce() + Send>;
+
+    /// The TLS port's files, with `between` run once after the certificate is read and
+    /// before the key: a Secret swapped under the reader, which a poll meets by chance,
+    /// made certain. The files, the swap and the build are the real ones.
+    #[derive(Clone)]
+    struct SwappedMidRead {
+        files: CertFiles,
+        between: Arc<Mutex<Option<Swap>>>,
+    }
+
+    impl Reloadable for SwappedMidRead {
+        type Built = ServerConfig;
+
+        fn read(&self) -> Result<Contents, CertError> {
+            let cert = read(&self.files.cert)?;
+            let swap = self.between.lock().ok().and_then(|mut s| s.take());
+            if let Some(swap) = swap {
+                swap();
+            }
+            Ok(Contents(vec![cert, read(&self.files.key)?]))
+        }
+
+        fn build(&self, contents: &Contents) -> Result<ServerConfig, CertError> {
+            self.files.build(contents)
+        }
+
+        fn describe(&self) -> String {
+            self.files.describe()
+        }
+    }
+
+    fn count(reloads: &Family<ReasonLabels, Counter>, reason: &'static str) -> u64 {
+        reloads.get_or_create(&ReasonLabels { reason }).get()
+    }
+
+    #[tokio::test]
+    async fn a_swap_between_the_files_is_not_a_failed_reload() -> anyhow::Result<()> {
+        let pki = TestPki::new("example.test")?;
+        let old = pki.wildcard("old")?;
+        let new = pki.wildcard("new")?;
+        let files = CertFiles {
+            cert: old.cert.clone(),
+            key: old.key.clone(),
+            client_ca: None,
+        };
+        let (config, seen) = files.load()?;
+        let (tx, mut rx) = watch::channel(Arc::new(config));
+        let (target, source): (CertPair, CertPair) = (old.clone(), new);
+        let reloadable = SwappedMidRead {
+            files,
+            between: Arc::new(Mutex::new(Some(Box::new(move || {
+                target.replace_with(&source).expect("rotate the files");
+            })))),
+        };
+        let reloads = Family::<ReasonLabels, Counter>::default();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(reload(
+            reloadable.clone(),
+            seen,
+            tx,
+            Duration::from_millis(10),
+            reloads.clone(),
+            shutdown.clone(),
+        ));
+        tokio::time::timeout(Duration::from_secs(30), rx.changed()).await??;
+        shutdown.cancel();
+        task.await?;
+        // The swap ran, so the first read was the mix of the old certificate and the new
+        // key; the new pair was published, and nothing was reported as failed.
+        assert!(reloadable.between.lock().is_ok_and(|s| s.is_none()));
+        assert_eq!((count(&reloads, "ok"), count(&reloads, "error")), (1, 0));
+        Ok(())
     }
 }
