@@ -1,5 +1,5 @@
 //! The harness's own load generator, for what redis-benchmark does not measure: one client's
-//! latency with a fine histogram, a new connection per request, idle connections, and a
+//! latency with a fine histogram, through every data plane in turns, a new connection per request, idle connections, and a
 //! cluster client that follows `-MOVED` redirects. Blocking sockets on plain threads: the
 //! fewest moving parts between the clock and the wire.
 
@@ -97,29 +97,62 @@ impl Outcome {
     }
 }
 
-/// One client, pipeline 1: `requests` GETs of `key`, each round trip in an HDR histogram
-/// (1 ns to 10 s, 3 significant digits).
-pub fn latency(addr: SocketAddr, key: &str, requests: u64) -> Result<Outcome> {
-    let mut conn = Conn::open(addr)?;
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 10_000_000_000, 3)?;
-    // Warm the path (connection to the node, buffers) before timing.
-    for _ in 0..100 {
-        conn.call(&[b"GET", key.as_bytes()])?;
-    }
-    let start = Instant::now();
-    for _ in 0..requests {
-        let t = Instant::now();
-        if let Reply::Error(e) = conn.call(&[b"GET", key.as_bytes()])? {
-            bail!("GET {key}: -{e}");
+/// One client per data plane, pipeline 1, side by side: a connection to each of `addrs`
+/// and a GET of `key` to each in turn, `requests` to each, every round trip in that data
+/// plane's HDR histogram (1 ns to 10 s, 3 significant digits). Run one data plane after
+/// another, as the other workloads are, this machine's drift (±20% between runs seconds
+/// apart, and the same binary measured twice 0.7 to 1.3× itself) swamped the differences
+/// of a few microseconds that a lone client sees; taken in turns, a request apart, every
+/// data plane meets the same machine. Each cycle starts one data plane further on, so none
+/// always follows the same one. A data plane's elapsed time is the sum of its own round
+/// trips: what one client would see with the data plane to itself.
+pub fn latency_side_by_side(
+    addrs: &[SocketAddr],
+    key: &str,
+    requests: u64,
+) -> Result<Vec<Outcome>> {
+    let mut conns = addrs
+        .iter()
+        .map(|&a| Conn::open(a))
+        .collect::<Result<Vec<_>>>()?;
+    let mut hists = addrs
+        .iter()
+        .map(|_| Histogram::<u64>::new_with_bounds(1, 10_000_000_000, 3))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut elapsed = vec![Duration::ZERO; addrs.len()];
+    let get = [&b"GET"[..], key.as_bytes()];
+    // Warm every path (connection to the node, buffers) before timing.
+    for conn in &mut conns {
+        for _ in 0..100 {
+            conn.call(&get)?;
         }
-        hist.record(t.elapsed().as_nanos() as u64)?;
     }
-    Ok(Outcome {
-        requests,
-        elapsed: start.elapsed(),
-        p50_us: Some(hist.value_at_quantile(0.50) as f64 / 1000.0),
-        p99_us: Some(hist.value_at_quantile(0.99) as f64 / 1000.0),
-    })
+    let n = conns.len();
+    for i in 0..requests as usize {
+        for k in 0..n {
+            let j = (i + k) % n;
+            let t = Instant::now();
+            let reply = conns[j].call(&get);
+            let took = t.elapsed();
+            if let Reply::Error(e) =
+                reply.with_context(|| format!("GET {key} through {}", addrs[j]))?
+            {
+                bail!("GET {key} through {}: -{e}", addrs[j]);
+            }
+            hists[j].record(took.as_nanos() as u64)?;
+            elapsed[j] += took;
+        }
+    }
+    Ok(hists
+        .iter()
+        .zip(elapsed)
+        .map(|(hist, elapsed)| Outcome {
+            requests,
+            elapsed,
+            p50_us: Some(hist.value_at_quantile(0.50) as f64 / 1000.0),
+            p99_us: Some(hist.value_at_quantile(0.99) as f64 / 1000.0),
+        })
+        .collect())
 }
 
 /// A new connection per request: connect, GET `key`, read the reply, close; `threads`

@@ -79,7 +79,7 @@ impl Settings {
             requests_p1: 50_000,
             requests_p16: 1_500_000,
             requests_64k: 2_000,
-            requests_latency: 10_000,
+            requests_latency: 20_000,
             requests_churn: 20_000,
             requests_cluster: 100_000,
             requests_moved: 10_000,
@@ -235,13 +235,7 @@ fn measure(w: &Workload, peer: &Peer, s: &Settings, round: usize) -> Result<Opti
             sample.p99_us = Some(r.p99_ms * 1000.0);
             run.requests
         }
-        Load::Latency => {
-            let o = loadgen::latency(peer.addr, LATENCY_KEY, s.requests_latency)?;
-            sample.rps = Some(o.rps());
-            sample.p50_us = o.p50_us;
-            sample.p99_us = o.p99_us;
-            o.requests
-        }
+        Load::Latency => bail!("the one-client workload runs side by side (measure_side_by_side)"),
         Load::Churn => {
             let o = loadgen::churn(peer.addr, LATENCY_KEY, s.requests_churn, 4)?;
             sample.rps = Some(o.rps());
@@ -279,6 +273,38 @@ fn measure(w: &Workload, peer: &Peer, s: &Settings, round: usize) -> Result<Opti
         sample.cpu_us = Some((p.cpu_seconds() - c0) / requests as f64 * 1e6);
     }
     Ok(Some(sample))
+}
+
+/// The one-client workload: every data plane at once, a request to each in turn
+/// ([`loadgen::latency_side_by_side`]); a data plane's CPU per request is its CPU over the
+/// whole run (it idles while the others answer) over its own requests.
+fn measure_side_by_side(
+    w: &Workload,
+    peers: &[Peer],
+    s: &Settings,
+    round: usize,
+) -> Result<Vec<Sample>> {
+    let cpu0: Vec<Option<f64>> = peers
+        .iter()
+        .map(|p| p.proc.map(|p| p.cpu_seconds()))
+        .collect();
+    let addrs: Vec<SocketAddr> = peers.iter().map(|p| p.addr).collect();
+    let outcomes = loadgen::latency_side_by_side(&addrs, LATENCY_KEY, s.requests_latency)?;
+    Ok(peers
+        .iter()
+        .zip(outcomes)
+        .zip(cpu0)
+        .map(|((peer, o), c0)| {
+            let mut sample = Sample::new(&w.name, peer, round);
+            sample.rps = Some(o.rps());
+            sample.p50_us = o.p50_us;
+            sample.p99_us = o.p99_us;
+            if let (Some(p), Some(c0)) = (peer.proc, c0) {
+                sample.cpu_us = Some((p.cpu_seconds() - c0) / o.requests as f64 * 1e6);
+            }
+            sample
+        })
+        .collect())
 }
 
 /// A new instance of a standalone data plane like `peer`, its files in `<run dir>/idle/`
@@ -448,6 +474,20 @@ fn main() -> Result<()> {
         let t = Instant::now();
         for w in &loads {
             let peers = if w.cluster { &clustered } else { &standalone };
+            if matches!(w.load, Load::Latency) {
+                for s in measure_side_by_side(w, peers, &settings, round)
+                    .with_context(|| format!("{} through every data plane", w.name))?
+                {
+                    eprintln!(
+                        "  round {round} {:<18} {:<26} {}",
+                        w.name,
+                        s.peer,
+                        s.brief()
+                    );
+                    samples.push(s);
+                }
+                continue;
+            }
             // Rotate the order each round: no data plane always runs first after a change.
             let n = peers.len();
             for i in 0..n {

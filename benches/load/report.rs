@@ -392,7 +392,9 @@ pub fn markdown(
     out.push_str(
         "\nWorkloads: redis-benchmark with 50 clients, one test per run (`-t set` or `-t get`), \
          3-byte values unless a size is given, pipeline 1 unless P16; \"GET 1 client\" is the \
-         harness's own client, one connection at pipeline 1, each round trip in an HDR \
+         harness's own client, one connection at pipeline 1 to each data plane, a GET to each \
+         in turn so that every data plane meets the same machine (its requests/s is its \
+         requests over the sum of its own round trips), each round trip in an HDR \
          histogram; \"GET churn\" opens a connection per GET (4 clients); \"idle\" starts a \
          fresh instance of the data plane, holds N connections open through it, each answered \
          one PING, and divides its RSS growth by N; the cluster rows are redis-benchmark `--cluster` through the proxy's ports (the \
