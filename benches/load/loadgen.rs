@@ -103,8 +103,10 @@ impl Outcome {
 /// another, as the other workloads are, this machine's drift (±20% between runs seconds
 /// apart, and the same binary measured twice 0.7 to 1.3× itself) swamped the differences
 /// of a few microseconds that a lone client sees; taken in turns, a request apart, every
-/// data plane meets the same machine. Each cycle starts one data plane further on, so none
-/// always follows the same one. A data plane's elapsed time is the sum of its own round
+/// data plane meets the same machine. The order is shuffled for each cycle: what ran just
+/// before a round trip (another process, or the same program's code already in the cache)
+/// moves it by a few percent, and a fixed order gave each data plane the same predecessor
+/// every time. A data plane's elapsed time is the sum of its own round
 /// trips: what one client would see with the data plane to itself.
 pub fn latency_side_by_side(
     addrs: &[SocketAddr],
@@ -128,9 +130,11 @@ pub fn latency_side_by_side(
         }
     }
     let n = conns.len();
-    for i in 0..requests as usize {
-        for k in 0..n {
-            let j = (i + k) % n;
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut rng = Xorshift(0x9e37_79b9_7f4a_7c15);
+    for _ in 0..requests {
+        rng.shuffle(&mut order);
+        for &j in &order {
             let t = Instant::now();
             let reply = conns[j].call(&get);
             let took = t.elapsed();
@@ -153,6 +157,26 @@ pub fn latency_side_by_side(
             p99_us: Some(hist.value_at_quantile(0.99) as f64 / 1000.0),
         })
         .collect())
+}
+
+/// A small xorshift generator: the harness's shuffles need no quality, only no pattern.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Fisher-Yates.
+    fn shuffle(&mut self, v: &mut [usize]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
 }
 
 /// A new connection per request: connect, GET `key`, read the reply, close; `threads`
