@@ -4,7 +4,13 @@
 //! then node id; later discoveries keep every known node on its index, so a failover or a
 //! restart never renumbers the listeners, and new nodes take the lowest free index of their
 //! shard. A node still joining (a shard of its own without slots) waits for its place.
+//!
+//! Views of a joining node disagree for a moment: gossip reaches the nodes one by one, so
+//! one node may list it in its new shard while another still lists it alone. A node placed
+//! last time that a view shows in such a slotless shard of its own is held where it was, as
+//! a replica, instead of being given a port in a shard nobody routes to (and moving back).
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use shardgate_admin_client::{NodeView, ShardView};
@@ -21,12 +27,13 @@ pub struct Assignment {
 }
 
 impl Assignment {
-    /// Places every node; returns the placed nodes and what could not be placed.
+    /// Places every node; returns the placed nodes and what could not be placed. A node
+    /// held where it was (see the module docs) comes back as a replica.
     pub fn assign<'a>(
         &mut self,
         ports_per_shard: Option<u32>,
         shards: &'a [ShardView],
-    ) -> (Vec<(NodeRef, &'a NodeView)>, Vec<String>) {
+    ) -> (Vec<(NodeRef, Cow<'a, NodeView>)>, Vec<String>) {
         let stride = *self.stride.get_or_insert_with(|| {
             ports_per_shard
                 .unwrap_or_else(|| {
@@ -52,13 +59,29 @@ impl Assignment {
         });
         let mut placed = vec![];
         let mut skipped = vec![];
+        // A new shard without slots is a node still joining (met, not yet a replica nor
+        // given slots): it gets its port once it has settled in its shard, so that clients
+        // never see it move. A node of it placed last time is the stale news of a join (or
+        // a node reset): it keeps its index.
+        let unsettled: HashSet<String> = order
+            .iter()
+            .filter(|s| s.slots.is_empty() && !self.shards.contains_key(&s.key()))
+            .map(|s| s.key())
+            .collect();
+        let mut held: Vec<(NodeRef, Cow<'a, NodeView>)> = vec![];
+        for shard in order.iter().filter(|s| unsettled.contains(&s.key())) {
+            for node in &shard.nodes {
+                let was = self.nodes.get(&node.id).filter(|_| self.last.contains(&node.id));
+                if let Some(r) = was {
+                    let mut node = node.clone();
+                    node.primary = false;
+                    held.push((*r, Cow::Owned(node)));
+                }
+            }
+        }
         for shard in order {
             let key = shard.key();
-            // A shard that owns no slot and has no node placed yet is a node still joining
-            // (met, not yet a replica nor given slots): it gets its port once it has settled
-            // in its shard, so that clients never see it move.
-            if shard.slots.is_empty() && !shard.nodes.iter().any(|n| self.nodes.contains_key(&n.id))
-            {
+            if unsettled.contains(&key) {
                 continue;
             }
             let next_shard = self.shards.values().map(|s| s + 1).max().unwrap_or(0);
@@ -69,13 +92,17 @@ impl Assignment {
             // Known nodes keep their index, unless a node placed last time holds it (a node
             // that was gone came back after its index was reused): the returning one is
             // placed again like a new node.
-            let mut used: Vec<u32> = vec![];
+            let mut used: Vec<u32> = held
+                .iter()
+                .filter(|(r, _)| r.shard.0 == s)
+                .map(|(r, _)| r.node.0)
+                .collect();
             let mut fresh: Vec<&NodeView> = vec![];
             for node in nodes {
                 match self.nodes.get(&node.id).copied().filter(|r| r.shard.0 == s) {
                     Some(r) if !used.contains(&r.node.0) => {
                         used.push(r.node.0);
-                        placed.push((r, node));
+                        placed.push((r, Cow::Borrowed(node)));
                     }
                     _ => fresh.push(node),
                 }
@@ -86,7 +113,7 @@ impl Assignment {
                         used.push(i);
                         let r = NodeRef::new(s, i);
                         self.nodes.insert(node.id.clone(), r);
-                        placed.push((r, node));
+                        placed.push((r, Cow::Borrowed(node)));
                     }
                     None => skipped.push(format!(
                         "node {} of shard {s}: no free port (ports per shard: {stride})",
@@ -95,6 +122,7 @@ impl Assignment {
                 }
             }
         }
+        placed.extend(held);
         self.last = placed.iter().map(|(_, n)| n.id.clone()).collect();
         (placed, skipped)
     }
@@ -233,5 +261,47 @@ mod tests {
             let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, _)| *r);
             assert_eq!(j, Some(NodeRef::new(0, 2)));
         }
+    }
+
+    #[test]
+    fn a_view_that_has_not_heard_of_the_join_yet_does_not_move_the_node() {
+        let mut a = Assignment::default();
+        let ports = Some(4);
+        let mut settled = shard("s-a", 0, vec![node("a1", true), node("a2", false)]);
+        settled.nodes.push(node("j", false));
+        let (p, _) = a.assign(ports, std::slice::from_ref(&settled));
+        let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, _)| *r);
+        assert_eq!(j, Some(NodeRef::new(0, 2)));
+        // The next answer chosen is from a node that still sees j alone, and that already
+        // sees another node k join shard a.
+        let mut stale = shard("s-a", 0, vec![node("a1", true), node("a2", false)]);
+        stale.nodes.push(node("k", false));
+        let mut alone = shard("s-j", 0, vec![node("j", true)]);
+        alone.slots.clear();
+        let midway = [stale, alone];
+        let (p, skipped) = a.assign(ports, &midway);
+        let mut got: Vec<_> = p
+            .iter()
+            .map(|(r, n)| (n.id.as_str(), *r, n.primary))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                ("a1", NodeRef::new(0, 0), true),
+                ("a2", NodeRef::new(0, 1), false),
+                // Held where it was, and not called the primary of shard 0.
+                ("j", NodeRef::new(0, 2), false),
+                ("k", NodeRef::new(0, 3), false),
+            ]
+        );
+        assert!(skipped.is_empty(), "{skipped:?}");
+        // The news arrives: nothing moves.
+        settled.nodes.push(node("k", false));
+        let (p, _) = a.assign(ports, std::slice::from_ref(&settled));
+        let mut again: Vec<_> = p.iter().map(|(r, n)| (n.id.as_str(), *r)).collect();
+        again.sort();
+        let before: Vec<_> = got.iter().map(|(id, r, _)| (*id, *r)).collect();
+        assert_eq!(again, before);
     }
 }

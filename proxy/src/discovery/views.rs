@@ -4,8 +4,9 @@
 //!
 //! Each [`Answer`] is first made self-consistent ([`Answer::normalize`]): the answering node's
 //! own empty `ip` (a node that was never sent a MEET does not know it) becomes the address it
-//! was dialled at, nodes still in the handshake are dropped, and each
-//! shard keeps one primary: its highest-epoch primary that is not marked failed. Then
+//! was dialled at, nodes still in the handshake are dropped, a replica listed apart from
+//! its primary's shard joins it, and each shard keeps one primary: its highest-epoch
+//! primary that is not marked failed. Then
 //! [`choose`] refuses the answers that cover no slot, and those in `cluster_state:fail` when
 //! another is `ok`, and keeps the one whose slots are owned with the highest config epochs
 //! (the newest news of failovers and migrations). A node that a majority of the answers
@@ -15,6 +16,8 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 
 use shardgate_admin_client::{NodeLine, NodeView, ShardView};
+
+use crate::model::SLOTS;
 
 /// What one node said: `CLUSTER MYID`, `CLUSTER INFO`'s state, `CLUSTER SHARDS` and
 /// `CLUSTER NODES` (for config epochs and flags, which `CLUSTER SHARDS` does not give).
@@ -93,6 +96,39 @@ impl Answer {
                     .get(n.id.as_str())
                     .is_some_and(|l| l.has_flag("handshake"))
             });
+        }
+        // A replica whose shard id the answering node has not caught up with (the id and
+        // the role travel separately: a ping extension and the header) would be listed
+        // under its old id. Valkey lists one shard per id, with the slots of its first
+        // node's primary: a second shard with the same slots. It belongs with its primary.
+        let home: HashMap<String, usize> = self
+            .shards
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| {
+                s.nodes
+                    .iter()
+                    .filter(|n| n.primary)
+                    .map(move |n| (n.id.clone(), i))
+            })
+            .collect();
+        let mut moved: Vec<(usize, NodeView)> = vec![];
+        for (i, shard) in self.shards.iter_mut().enumerate() {
+            shard.nodes.retain(|n| {
+                let primary = lines.get(n.id.as_str()).and_then(|l| l.primary_id.as_deref());
+                match primary.and_then(|p| home.get(p)) {
+                    Some(&j) if j != i && !n.primary => {
+                        moved.push((j, n.clone()));
+                        false
+                    }
+                    _ => true,
+                }
+            });
+        }
+        for (j, node) in moved {
+            self.shards[j].nodes.push(node);
+        }
+        for shard in &mut self.shards {
             for node in &mut shard.nodes {
                 if node.id == self.myself && node.ip.is_empty() {
                     node.ip = dialled.clone();
@@ -117,22 +153,16 @@ impl Answer {
         self.shards.retain(|s| !s.nodes.is_empty());
     }
 
-    /// Slots covered, and the sum over slots of their owner's config epoch.
+    /// Slots covered, and the sum over slots of their owner's config epoch. A slot two
+    /// shards claim counts once, at the higher epoch: listing a slot twice is no news.
     fn score(&self) -> (u32, u64) {
         let epochs: HashMap<&str, u64> = self
             .nodes
             .iter()
             .map(|l| (l.id.as_str(), l.config_epoch))
             .collect();
-        let mut covered = 0u32;
-        let mut weight = 0u64;
+        let mut owner: Vec<Option<u64>> = vec![None; SLOTS];
         for shard in &self.shards {
-            let slots: u32 = shard
-                .slots
-                .iter()
-                .map(|(a, b)| u32::from(*b).saturating_sub(u32::from(*a)) + 1)
-                .sum();
-            covered += slots;
             // A shard without a live primary still covers its slots, at the epoch its
             // (failed) owner had: a view that knows the promotion scores higher.
             let owner_epoch = shard
@@ -141,8 +171,14 @@ impl Answer {
                 .filter_map(|n| epochs.get(n.id.as_str()).copied())
                 .max()
                 .unwrap_or(0);
-            weight += u64::from(slots) * owner_epoch;
+            for &(a, b) in &shard.slots {
+                for slot in owner.iter_mut().take(usize::from(b) + 1).skip(usize::from(a)) {
+                    *slot = Some(slot.map_or(owner_epoch, |e| e.max(owner_epoch)));
+                }
+            }
         }
+        let covered = owner.iter().flatten().count() as u32;
+        let weight = owner.iter().flatten().sum();
         (covered, weight)
     }
 }
@@ -325,6 +361,14 @@ mod tests {
         }
     }
 
+    /// A replica's `CLUSTER NODES` line, naming its primary.
+    fn replica_line(id: &str, primary: &str, epoch: u64) -> NodeLine {
+        NodeLine {
+            primary_id: Some(primary.into()),
+            ..line(id, "slave", epoch)
+        }
+    }
+
     fn ids(shards: &[ShardView]) -> Vec<Vec<(String, bool)>> {
         shards
             .iter()
@@ -341,6 +385,50 @@ mod tests {
         assert_eq!(ids(&c.shards), ids(&healthy(B1, 3).shards));
         // Alone it is no cluster at all.
         assert!(choose(vec![restarted_empty(1)]).is_none());
+    }
+
+    #[test]
+    fn a_new_replica_listed_under_its_old_shard_id_is_put_with_its_primary() {
+        // FRESH was met and made a replica of A1. B1 has its role but not its new shard
+        // id: Valkey's CLUSTER SHARDS then lists FRESH's old shard id with the slots of
+        // FRESH's primary, a second shard with the same slots. Built by hand from Valkey's
+        // code: a loopback cluster polled through a REPLICATE never showed it (the role
+        // and the id came in one packet), but nothing keeps them together.
+        let mut midway = healthy(B1, 3);
+        midway.shards.push(shard(
+            "fresh",
+            vec![(0, 8191)],
+            vec![node(FRESH, "127.0.0.9", false, "online")],
+        ));
+        midway.nodes.push(replica_line(FRESH, A1, 1));
+        // A1 has heard nothing yet: FRESH is a shard of its own, without slots.
+        let mut before = healthy(A1, 1);
+        before.shards.push(shard(
+            "fresh",
+            vec![],
+            vec![node(FRESH, "127.0.0.9", true, "online")],
+        ));
+        before.nodes.push(line(FRESH, "master", 0));
+        // A1, asked first, is not outscored: the midway answer is the same cluster.
+        let c = choose(vec![before.clone(), midway.clone()]).unwrap();
+        assert_eq!(c.chosen, addr(1));
+        assert!(c.refused.is_empty(), "{:?}", c.refused);
+        // Nor when FRESH's primary is not known to the answer: slots listed twice are no
+        // news.
+        let mut unlinked = midway.clone();
+        unlinked.nodes.pop();
+        assert_eq!(choose(vec![before, unlinked]).unwrap().chosen, addr(1));
+        // Alone, the midway answer puts FRESH with A1.
+        let c = choose(vec![midway]).unwrap();
+        assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
+        assert_eq!(
+            ids(&c.shards)[0],
+            vec![
+                (A1.to_string(), true),
+                (A2.to_string(), false),
+                (FRESH.to_string(), false)
+            ]
+        );
     }
 
     #[test]

@@ -12,3 +12,6 @@ pub mod table;
 pub use route::{Route, Routes};
 pub use shardgate_crds::{Backend, Host};
 pub use table::RouteTable;
+
+/// Hash slots in a cluster.
+pub const SLOTS: usize = 16384;

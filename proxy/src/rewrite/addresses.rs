@@ -21,11 +21,8 @@ use tokio::time::Instant;
 
 use shardgate_crds::{node_hostname, Hostnames};
 
-use crate::model::{Host, Route, Routes};
+use crate::model::{Host, Route, Routes, SLOTS};
 use crate::throttle::Throttle;
-
-/// Hash slots in a cluster.
-const SLOTS: usize = 16384;
 
 /// Where external clients reach one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
