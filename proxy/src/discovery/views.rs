@@ -4,8 +4,8 @@
 //!
 //! Each [`Answer`] is first made self-consistent ([`Answer::normalize`]): the answering node's
 //! own empty `ip` (a node that was never sent a MEET does not know it) becomes the address it
-//! was dialled at, nodes still in the handshake are dropped, a replica listed apart from
-//! its primary's shard joins it, and each shard keeps one primary: its highest-epoch
+//! was dialled at, entries with one shard id are merged, nodes still in the handshake are
+//! dropped, a replica listed apart from its primary's shard joins it, and each shard keeps one primary: its highest-epoch
 //! primary that is not marked failed. Then
 //! [`choose`] refuses the answers that cover no slot, and those in `cluster_state:fail` when
 //! another is `ok`, and keeps the one whose slots are owned with the highest config epochs
@@ -87,6 +87,24 @@ impl Answer {
         let lines: HashMap<&str, &NodeLine> =
             self.nodes.iter().map(|l| (l.id.as_str(), l)).collect();
         let dialled = self.addr.ip().to_string();
+        // One entry per shard id. Two would each number their nodes from index 0 and give
+        // two nodes one port; Valkey versions that print an entry's id from its primary
+        // list a lagging replica's entry under its primary's id.
+        let mut merged: Vec<ShardView> = Vec::with_capacity(self.shards.len());
+        for shard in self.shards.drain(..) {
+            match merged.iter_mut().find(|m| m.key() == shard.key()) {
+                Some(m) => {
+                    for range in shard.slots {
+                        if !m.slots.contains(&range) {
+                            m.slots.push(range);
+                        }
+                    }
+                    m.nodes.extend(shard.nodes);
+                }
+                None => merged.push(shard),
+            }
+        }
+        self.shards = merged;
         for shard in &mut self.shards {
             // A node in the handshake may not stay. A `noaddr` one is kept: the others mark
             // a known node so when another one answers at its address (say, it restarted
@@ -421,6 +439,29 @@ mod tests {
         // Alone, the midway answer puts FRESH with A1.
         let c = choose(vec![midway]).unwrap();
         assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
+        assert_eq!(
+            ids(&c.shards)[0],
+            vec![
+                (A1.to_string(), true),
+                (A2.to_string(), false),
+                (FRESH.to_string(), false)
+            ]
+        );
+    }
+
+    #[test]
+    fn two_entries_with_one_shard_id_are_one_shard() {
+        // FRESH, a replica of A1, listed in an entry of its own under A1's shard id (and
+        // with A1's slots), and with no CLUSTER NODES line to tell its primary.
+        let mut twice = healthy(A1, 1);
+        twice.shards.push(shard(
+            "sa",
+            vec![(0, 8191)],
+            vec![node(FRESH, "127.0.0.9", false, "online")],
+        ));
+        let c = choose(vec![twice]).unwrap();
+        assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
+        assert_eq!(c.shards[0].slots, vec![(0, 8191)]);
         assert_eq!(
             ids(&c.shards)[0],
             vec![

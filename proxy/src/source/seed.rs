@@ -141,7 +141,7 @@ impl SeedSource {
                     .map(|n| (n.id.as_str(), s.slots.as_slice()))
             })
             .collect();
-        let mut routes = BTreeMap::new();
+        let mut routes: Routes = BTreeMap::new();
         for (r, node) in placed {
             // A node the others list without an address (`noaddr`: another node answered
             // at its address, say one restarted empty) keeps the address it had.
@@ -170,8 +170,18 @@ impl SeedSource {
                     (backend, tls_backend)
                 }
             };
+            let port = layout.port(r)?;
+            // The assignment gives each node its own index; were two on one, the second
+            // would silently take the first's port.
+            if let Some(first) = routes.get(&port) {
+                skipped.push(format!(
+                    "node {}: port {port} is already {:?}'s",
+                    node.id, first.node_id
+                ));
+                continue;
+            }
             routes.insert(
-                layout.port(r)?,
+                port,
                 Arc::new(Route {
                     node: r,
                     backend,
