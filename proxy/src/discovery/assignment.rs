@@ -8,13 +8,19 @@
 //! Views of a joining node disagree for a moment: gossip reaches the nodes one by one, so
 //! one node may list it in its new shard while another still lists it alone. A node placed
 //! last time that a view shows in such a slotless shard of its own is held where it was, as
-//! a replica, instead of being given a port in a shard nobody routes to (and moving back).
+//! a replica, instead of being given a port in a shard nobody routes to (and moving back),
+//! for [`HOLD_REFRESHES`] refreshes at most; then it waits for its place like a new node.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use shardgate_admin_client::{NodeView, ShardView};
 use shardgate_crds::NodeRef;
+
+/// How many refreshes in a row a node may be held where it was (module docs): gossip
+/// catches up within a second, and a node that really left its shard (reset, or starting a
+/// new one) gives up its port after this.
+pub const HOLD_REFRESHES: u32 = 5;
 
 /// Sticky (shard, node) indices across refreshes.
 #[derive(Debug, Default)]
@@ -24,6 +30,8 @@ pub struct Assignment {
     nodes: HashMap<String, NodeRef>,
     /// The nodes placed by the last discovery.
     last: HashSet<String>,
+    /// Nodes held where they were, and for how many refreshes in a row.
+    held: HashMap<String, u32>,
 }
 
 impl Assignment {
@@ -72,7 +80,8 @@ impl Assignment {
         for shard in order.iter().filter(|s| unsettled.contains(&s.key())) {
             for node in &shard.nodes {
                 let was = self.nodes.get(&node.id).filter(|_| self.last.contains(&node.id));
-                if let Some(r) = was {
+                let times = self.held.get(&node.id).copied().unwrap_or(0);
+                if let Some(r) = was.filter(|_| times < HOLD_REFRESHES) {
                     let mut node = node.clone();
                     node.primary = false;
                     held.push((*r, Cow::Owned(node)));
@@ -122,6 +131,14 @@ impl Assignment {
                 }
             }
         }
+        let counts: HashMap<String, u32> = held
+            .iter()
+            .map(|(_, n)| {
+                let times = self.held.get(&n.id).copied().unwrap_or(0);
+                (n.id.clone(), times + 1)
+            })
+            .collect();
+        self.held = counts;
         placed.extend(held);
         self.last = placed.iter().map(|(_, n)| n.id.clone()).collect();
         (placed, skipped)
@@ -296,12 +313,39 @@ mod tests {
             ]
         );
         assert!(skipped.is_empty(), "{skipped:?}");
-        // The news arrives: nothing moves.
+        // The news arrives: nothing moves. (Had it not: see the next test.)
         settled.nodes.push(node("k", false));
         let (p, _) = a.assign(ports, std::slice::from_ref(&settled));
         let mut again: Vec<_> = p.iter().map(|(r, n)| (n.id.as_str(), *r)).collect();
         again.sort();
         let before: Vec<_> = got.iter().map(|(id, r, _)| (*id, *r)).collect();
         assert_eq!(again, before);
+    }
+
+    #[test]
+    fn a_node_that_stays_alone_without_slots_gives_up_its_port() {
+        // j left shard a for good (reset, say, or the first node of a shard to be).
+        let mut a = Assignment::default();
+        let ports = Some(3);
+        let mut settled = shard("s-a", 0, vec![node("a1", true)]);
+        settled.nodes.push(node("j", false));
+        a.assign(ports, std::slice::from_ref(&settled));
+        let mut alone = shard("s-j", 0, vec![node("j", true)]);
+        alone.slots.clear();
+        let gone = [shard("s-a", 0, vec![node("a1", true)]), alone.clone()];
+        let mut held_times = 0;
+        for _ in 0..HOLD_REFRESHES + 3 {
+            let (p, _) = a.assign(ports, &gone);
+            if p.iter().any(|(_, n)| n.id == "j") {
+                held_times += 1;
+            }
+        }
+        assert_eq!(held_times, HOLD_REFRESHES);
+        // Its new shard gets slots: it is placed there, once.
+        alone.slots = vec![(100, 200)];
+        let now = [shard("s-a", 0, vec![node("a1", true)]), alone];
+        let (p, _) = a.assign(ports, &now);
+        let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, n)| (*r, n.primary));
+        assert_eq!(j, Some((NodeRef::new(1, 0), true)));
     }
 }

@@ -131,12 +131,14 @@ impl Answer {
             })
             .collect();
         let mut moved: Vec<(usize, NodeView)> = vec![];
+        let mut lost: HashSet<usize> = HashSet::new();
         for (i, shard) in self.shards.iter_mut().enumerate() {
             shard.nodes.retain(|n| {
                 let primary = lines.get(n.id.as_str()).and_then(|l| l.primary_id.as_deref());
                 match primary.and_then(|p| home.get(p)) {
                     Some(&j) if j != i && !n.primary => {
                         moved.push((j, n.clone()));
+                        lost.insert(i);
                         false
                     }
                     _ => true,
@@ -166,6 +168,19 @@ impl Answer {
                 .map(|n| n.id.clone());
             for node in &mut shard.nodes {
                 node.primary = primary.as_deref() == Some(node.id.as_str());
+            }
+        }
+        // A shard that lost a misfiled replica may have been listed with that replica's
+        // primary's slots (it was its first node): its own primary's line says its own.
+        for i in lost {
+            let shard = &mut self.shards[i];
+            let own = shard
+                .nodes
+                .iter()
+                .find(|n| n.primary)
+                .and_then(|p| lines.get(p.id.as_str()));
+            if let Some(line) = own {
+                shard.slots = line.slots.clone();
             }
         }
         self.shards.retain(|s| !s.nodes.is_empty());
@@ -208,34 +223,33 @@ pub fn choose(mut answers: Vec<Answer>) -> Option<Choice> {
         a.normalize();
     }
     let mut refused = vec![];
-    let any_ok = answers.iter().any(|a| a.state_ok && a.score().0 > 0);
-    let mut usable: Vec<&Answer> = vec![];
-    for a in &answers {
-        if a.score().0 == 0 {
+    let scores: Vec<(u32, u64)> = answers.iter().map(Answer::score).collect();
+    let any_ok = answers
+        .iter()
+        .zip(&scores)
+        .any(|(a, s)| a.state_ok && s.0 > 0);
+    let mut usable: Vec<(&Answer, (u32, u64))> = vec![];
+    for (a, &score) in answers.iter().zip(&scores) {
+        if score.0 == 0 {
             refused.push((a.addr, Refusal::NoSlots));
         } else if any_ok && !a.state_ok {
             refused.push((a.addr, Refusal::StateFail));
         } else {
-            usable.push(a);
+            usable.push((a, score));
         }
     }
-    let best = usable
+    let (best, best_score) = usable
         .iter()
         .enumerate()
         // The earliest of equals: max_by_key keeps the last, so order by (score, -index).
-        .max_by_key(|(i, a)| {
-            let (covered, weight) = a.score();
-            (covered, weight, std::cmp::Reverse(*i))
-        })
-        .map(|(_, a)| *a)?;
-    for a in &usable {
-        if !std::ptr::eq(*a, best) {
-            let agrees = a.score() == best.score();
-            if !agrees {
-                refused.push((a.addr, Refusal::Older));
-            }
+        .max_by_key(|(i, (_, (covered, weight)))| (*covered, *weight, std::cmp::Reverse(*i)))
+        .map(|(_, (a, score))| (*a, *score))?;
+    for (a, score) in &usable {
+        if !std::ptr::eq(*a, best) && *score != best_score {
+            refused.push((a.addr, Refusal::Older));
         }
     }
+    let usable: Vec<&Answer> = usable.into_iter().map(|(a, _)| a).collect();
     let mut shards = best.shards.clone();
     let listed: HashSet<String> = shards
         .iter()
@@ -444,6 +458,29 @@ mod tests {
             vec![
                 (A1.to_string(), true),
                 (A2.to_string(), false),
+                (FRESH.to_string(), false)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_shard_listed_with_a_misfiled_replicas_slots_gets_its_own_back() {
+        // FRESH moved from shard a to B1's shard; its shard id lags and it is the first
+        // node of a's entry, so Valkey gives that entry B1's slots.
+        let mut lagging = healthy(B1, 3);
+        lagging.shards[0].slots = vec![(8192, 16383)];
+        lagging.shards[0]
+            .nodes
+            .insert(0, node(FRESH, "127.0.0.9", false, "online"));
+        lagging.nodes.push(replica_line(FRESH, B1, 2));
+        lagging.nodes[0].slots = vec![(0, 8191)];
+        let c = choose(vec![lagging]).unwrap();
+        assert_eq!(c.shards[0].slots, vec![(0, 8191)]);
+        assert_eq!(
+            ids(&c.shards)[1],
+            vec![
+                (B1.to_string(), true),
+                (B2.to_string(), false),
                 (FRESH.to_string(), false)
             ]
         );
