@@ -401,6 +401,15 @@ mod tests {
         }
     }
 
+    /// A shard's (id, primary) list: a primary, a replica, and FRESH as a replica.
+    fn with_fresh(primary: &str, replica: &str) -> Vec<(String, bool)> {
+        vec![
+            (primary.to_string(), true),
+            (replica.to_string(), false),
+            (FRESH.to_string(), false),
+        ]
+    }
+
     fn ids(shards: &[ShardView]) -> Vec<Vec<(String, bool)>> {
         shards
             .iter()
@@ -455,11 +464,7 @@ mod tests {
         assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
         assert_eq!(
             ids(&c.shards)[0],
-            vec![
-                (A1.to_string(), true),
-                (A2.to_string(), false),
-                (FRESH.to_string(), false)
-            ]
+            with_fresh(A1, A2)
         );
     }
 
@@ -478,11 +483,7 @@ mod tests {
         assert_eq!(c.shards[0].slots, vec![(0, 8191)]);
         assert_eq!(
             ids(&c.shards)[1],
-            vec![
-                (B1.to_string(), true),
-                (B2.to_string(), false),
-                (FRESH.to_string(), false)
-            ]
+            with_fresh(B1, B2)
         );
     }
 
@@ -501,11 +502,7 @@ mod tests {
         assert_eq!(c.shards[0].slots, vec![(0, 8191)]);
         assert_eq!(
             ids(&c.shards)[0],
-            vec![
-                (A1.to_string(), true),
-                (A2.to_string(), false),
-                (FRESH.to_string(), false)
-            ]
+            with_fresh(A1, A2)
         );
     }
 
