@@ -77,17 +77,20 @@ impl Assignment {
             .map(|s| s.key())
             .collect();
         let mut held: Vec<(NodeRef, Cow<'a, NodeView>)> = vec![];
+        let mut held_times: HashMap<String, u32> = HashMap::new();
         for shard in order.iter().filter(|s| unsettled.contains(&s.key())) {
             for node in &shard.nodes {
                 let was = self.nodes.get(&node.id).filter(|_| self.last.contains(&node.id));
                 let times = self.held.get(&node.id).copied().unwrap_or(0);
                 if let Some(r) = was.filter(|_| times < HOLD_REFRESHES) {
+                    held_times.insert(node.id.clone(), times + 1);
                     let mut node = node.clone();
                     node.primary = false;
                     held.push((*r, Cow::Owned(node)));
                 }
             }
         }
+        self.held = held_times;
         for shard in order {
             let key = shard.key();
             if unsettled.contains(&key) {
@@ -131,14 +134,6 @@ impl Assignment {
                 }
             }
         }
-        let counts: HashMap<String, u32> = held
-            .iter()
-            .map(|(_, n)| {
-                let times = self.held.get(&n.id).copied().unwrap_or(0);
-                (n.id.clone(), times + 1)
-            })
-            .collect();
-        self.held = counts;
         placed.extend(held);
         self.last = placed.iter().map(|(_, n)| n.id.clone()).collect();
         (placed, skipped)

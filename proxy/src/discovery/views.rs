@@ -5,8 +5,8 @@
 //! Each [`Answer`] is first made self-consistent ([`Answer::normalize`]): the answering node's
 //! own empty `ip` (a node that was never sent a MEET does not know it) becomes the address it
 //! was dialled at, entries with one shard id are merged, nodes still in the handshake are
-//! dropped, a replica listed apart from its primary's shard joins it, and each shard keeps one primary: its highest-epoch
-//! primary that is not marked failed. Then
+//! dropped, a replica listed apart from its primary's shard joins it, and each shard keeps
+//! one primary: its highest-epoch primary that is not marked failed. Then
 //! [`choose`] refuses the answers that cover no slot, and those in `cluster_state:fail` when
 //! another is `ok`, and keeps the one whose slots are owned with the highest config epochs
 //! (the newest news of failovers and migrations). A node that a majority of the answers
