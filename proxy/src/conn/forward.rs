@@ -29,6 +29,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 use super::buffers::{Buffer, Held, Source};
+use super::join::try_join;
 use super::sink::Sink;
 use super::watch::{watch, Activity, HardStop, Watched};
 use crate::dial::{BackendTls, BackendTlsRx, DialError, Dialer};
@@ -399,11 +400,13 @@ impl Forwarder {
                 self.rewriting(addresses, cr, cw, br, bw, up, down, clock)
                     .await
             }
-            None => tokio::try_join!(
-                copy(cr, bw, size, Plain, up, clock, Side::Client),
-                copy(br, cw, size, Plain, down, clock, Side::Backend),
-            )
-            .map(|_| ()),
+            None => {
+                try_join(
+                    copy(cr, bw, size, Plain, up, clock, Side::Client),
+                    copy(br, cw, size, Plain, down, clock, Side::Backend),
+                )
+                .await
+            }
         }
     }
 
@@ -443,7 +446,7 @@ impl Forwarder {
         let mut routes = self.routes.clone();
         // The observers are built in the calls: as locals they would be stored twice. They
         // hold their state by reference, so that the copy loops stay as small as plain ones.
-        tokio::try_join!(
+        try_join(
             copy(
                 cr,
                 bw,
@@ -456,7 +459,7 @@ impl Forwarder {
                 },
                 up,
                 clock,
-                Side::Client
+                Side::Client,
             ),
             copy(
                 br,
@@ -473,10 +476,10 @@ impl Forwarder {
                 },
                 down,
                 clock,
-                Side::Backend
+                Side::Backend,
             ),
         )
-        .map(|_| ())
+        .await
     }
 
     /// The address map a rewriting connection hands out now (the latest table's), marked
@@ -663,18 +666,15 @@ impl Observer for Replies<'_> {
 }
 
 /// Writes all of `bytes` and flushes: a TLS stream may hold written bytes in its buffer
-/// when the socket was full, and nothing else would push them out (a no-op on TCP). With
-/// `now`, what the socket takes at once is written without waiting for the runtime to have
-/// seen it writable ([`Sink::write_now`]).
-async fn send<W: Sink>(to: &mut W, bytes: &[u8], now: bool) -> std::io::Result<()> {
-    let mut done = 0;
-    if now {
-        match to.write_now(bytes) {
-            Ok(n) => done = n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
+/// when the socket was full, and nothing else would push them out (a no-op on TCP). What
+/// the socket takes at once is written straight ([`Sink::write_now`]); the rest waits for
+/// the runtime to see the socket writable.
+async fn send<W: Sink>(to: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    let done = match to.write_now(bytes) {
+        Ok(n) => n,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(e),
+    };
     if done < bytes.len() {
         to.write_all(&bytes[done..]).await?;
     }
@@ -715,9 +715,6 @@ where
             Side::Backend => Side::Client,
         };
         let mut slot: Option<Buffer> = None;
-        // Only the first write needs it: the runtime learns of a dialled socket's
-        // writability from that first trip through the event loop at the latest.
-        let mut first = true;
         loop {
             observer.ready().await;
             let n = eof_ok(from.read_into(&mut slot, buffer_size).await)
@@ -744,8 +741,7 @@ where
                 }
             })?;
             if !out.is_empty() {
-                let now = std::mem::replace(&mut first, false);
-                if let Err(source) = send(&mut to, out, now).await {
+                if let Err(source) = send(&mut to, out).await {
                     if side == Side::Client {
                         // The backend closed its end (QUIT, a protocol error): what it sent
                         // before is still forwarded by the other direction, as a direct client

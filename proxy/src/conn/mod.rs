@@ -5,6 +5,7 @@
 //! - [`buffers`]: read buffers taken only while bytes are in flight.
 //! - [`sink`]: the write side: a first write without a trip through the event loop, and
 //!   whether closing a socket ends its stream as a shutdown would.
+//! - [`join`]: a connection's two directions joined, each polled only when it was woken.
 //! - [`watch`]: the copy watched by the idle timeout and the drain's end, which are polled
 //!   only when one of them may have fired.
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
@@ -13,6 +14,7 @@
 //!   then pass the TLS stream through or terminate it and forward.
 
 mod buffers;
+mod join;
 mod sink;
 mod watch;
 pub mod forward;
