@@ -82,11 +82,27 @@ impl Assignment {
             for node in &shard.nodes {
                 let was = self.nodes.get(&node.id).filter(|_| self.last.contains(&node.id));
                 let times = self.held.get(&node.id).copied().unwrap_or(0);
-                if let Some(r) = was.filter(|_| times < HOLD_REFRESHES) {
-                    held_times.insert(node.id.clone(), times + 1);
-                    let mut node = node.clone();
-                    node.primary = false;
-                    held.push((*r, Cow::Owned(node)));
+                match was {
+                    Some(r) if times < HOLD_REFRESHES => {
+                        // Said on every refresh it lasts: a few lines, and what explains a
+                        // node that went on answering at its port as a replica.
+                        tracing::info!(
+                            node = %node.id,
+                            port_index = ?r,
+                            refresh = times + 1,
+                            of = HOLD_REFRESHES,
+                            "the view chosen shows a node alone without slots: kept where it was"
+                        );
+                        held_times.insert(node.id.clone(), times + 1);
+                        let mut node = node.clone();
+                        node.primary = false;
+                        held.push((*r, Cow::Owned(node)));
+                    }
+                    Some(_) => tracing::info!(
+                        node = %node.id,
+                        "a node alone without slots for {HOLD_REFRESHES} refreshes gives up its port"
+                    ),
+                    None => {}
                 }
             }
         }

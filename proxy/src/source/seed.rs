@@ -72,7 +72,7 @@ impl SeedSource {
         &mut self,
         known: &Routes,
         metrics: &Metrics,
-    ) -> Result<(Routes, Vec<String>), DiscoveryError> {
+    ) -> Result<Discovered, DiscoveryError> {
         let mut candidates: Vec<Backend> = self.seeds.clone();
         for r in known.values() {
             // Over TLS, a node is asked at its TLS address.
@@ -197,8 +197,21 @@ impl SeedSource {
                 }),
             );
         }
-        Ok((routes, skipped))
+        Ok(Discovered {
+            routes,
+            skipped,
+            chosen: choice.chosen,
+        })
     }
+}
+
+/// One discovery's outcome.
+struct Discovered {
+    routes: Routes,
+    /// The nodes not routed, and why.
+    skipped: Vec<String>,
+    /// The node whose view the routes are.
+    chosen: SocketAddr,
 }
 
 impl RouteSource for SeedSource {
@@ -213,12 +226,23 @@ impl RouteSource for SeedSource {
         loop {
             let known = publisher.current().routes.clone();
             let wait = match self.refresh(&known, publisher.metrics()).await {
-                Ok((routes, skipped)) => {
+                Ok(Discovered {
+                    routes,
+                    skipped,
+                    chosen,
+                }) => {
                     for s in skipped {
                         tracing::warn!(source = name, "not routed: {s}");
                     }
                     match publisher.publish(name, routes) {
-                        Ok(_) => publisher.report_ok(name),
+                        Ok(changed) => {
+                            if changed {
+                                // Which answer a table came from: what explains a table
+                                // that a stale view changed.
+                                tracing::info!(source = name, %chosen, "the new table is this node's view");
+                            }
+                            publisher.report_ok(name)
+                        }
                         Err(e) => publisher.report_error(name, &e),
                     }
                     backoff = Duration::from_millis(250);
