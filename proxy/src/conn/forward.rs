@@ -19,7 +19,9 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
@@ -666,19 +668,49 @@ impl Observer for Replies<'_> {
 }
 
 /// Writes all of `bytes` and flushes: a TLS stream may hold written bytes in its buffer
-/// when the socket was full, and nothing else would push them out (a no-op on TCP). What
-/// the socket takes at once is written straight ([`Sink::write_now`]); the rest waits for
-/// the runtime to see the socket writable.
-async fn send<W: Sink>(to: &mut W, bytes: &[u8]) -> std::io::Result<()> {
-    let done = match to.write_now(bytes) {
-        Ok(n) => n,
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
-        Err(e) => return Err(e),
-    };
+/// when the socket was full, and nothing else would push them out (a no-op on TCP).
+///
+/// With `direct`, what the socket takes at once is written straight ([`Sink::write_now`]):
+/// the runtime's write would first check the readiness it keeps, the same work again. The
+/// runtime learns nothing from a straight write, though: it still takes the socket for
+/// writable when that write left it full, and its own next write would fail once before
+/// it waits. So once a straight write is not taken whole, writes go through the runtime
+/// (whose short write marks the socket full, and whose wait then costs no failing call)
+/// until one is taken without waiting: a slow reader costs one failing call when it falls
+/// behind, not one per write.
+async fn send<W: Sink>(to: &mut W, bytes: &[u8], direct: &mut bool) -> std::io::Result<()> {
+    let mut done = 0;
+    if *direct {
+        match to.write_now(bytes) {
+            Ok(n) => done = n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
     if done < bytes.len() {
-        to.write_all(&bytes[done..]).await?;
+        *direct = !write_through(to, &bytes[done..]).await?;
     }
     to.flush().await
+}
+
+/// Writes all of `bytes` through the runtime: whether it had to wait for the socket.
+async fn write_through<W: Sink>(to: &mut W, mut bytes: &[u8]) -> std::io::Result<bool> {
+    let mut waited = false;
+    std::future::poll_fn(|cx| {
+        while !bytes.is_empty() {
+            match Pin::new(&mut *to).poll_write(cx, bytes) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => bytes = &bytes[n..],
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    waited = true;
+                    return Poll::Pending;
+                }
+            }
+        }
+        Poll::Ready(Ok(waited))
+    })
+    .await
 }
 
 fn segment<'a>(buf: &'a [u8], seg: &'a Segment) -> &'a [u8] {
@@ -715,6 +747,8 @@ where
             Side::Backend => Side::Client,
         };
         let mut slot: Option<Buffer> = None;
+        // Writes go straight to the socket while it takes them whole (see `send`).
+        let mut direct = true;
         loop {
             observer.ready().await;
             let n = eof_ok(from.read_into(&mut slot, buffer_size).await)
@@ -741,7 +775,7 @@ where
                 }
             })?;
             if !out.is_empty() {
-                if let Err(source) = send(&mut to, out).await {
+                if let Err(source) = send(&mut to, out, &mut direct).await {
                     if side == Side::Client {
                         // The backend closed its end (QUIT, a protocol error): what it sent
                         // before is still forwarded by the other direction, as a direct client
@@ -782,3 +816,120 @@ fn eof_ok(read: std::io::Result<usize>) -> std::io::Result<usize> {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Context;
+
+    use tokio::io::{AsyncReadExt, AsyncWrite};
+    use tokio::net::{tcp, TcpListener};
+    use tokio::sync::watch;
+
+    use super::*;
+
+    /// A real socket's write half that counts the straight writes it did not take whole,
+    /// and tells when a write through the runtime waits.
+    struct Counting<'a> {
+        inner: tcp::WriteHalf<'a>,
+        refused: &'a AtomicUsize,
+        /// Whether a write through the runtime is waiting for the socket.
+        waiting: &'a watch::Sender<bool>,
+    }
+
+    impl AsyncWrite for Counting<'_> {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+            self.waiting.send_if_modified(|w| std::mem::replace(w, r.is_pending()) != *w);
+            r
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_flush(cx)
+        }
+        fn poll_shutdown(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    impl Sink for Counting<'_> {
+        const CLOSE_ENDS_STREAM: bool = true;
+        fn write_now(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            let r = self.inner.write_now(bytes);
+            if !matches!(r, Ok(n) if n == bytes.len()) {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            r
+        }
+    }
+
+    /// A reader that takes a little each time the writer waits keeps the socket full: the
+    /// straight write fails once, when the writer falls behind, not on every write (each
+    /// such failure is a system call for nothing). Every byte arrives, in order.
+    #[tokio::test]
+    async fn a_slow_reader_costs_one_refused_straight_write_not_one_per_write() {
+        const WRITES: usize = 40;
+        const SIZE: usize = 64 * 1024;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Small buffers, so that one write fills the connection.
+        socket2::SockRef::from(&listener)
+            .set_recv_buffer_size(16 * 1024)
+            .unwrap();
+        let mut writer = crate::dial::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        socket2::SockRef::from(&writer)
+            .set_send_buffer_size(16 * 1024)
+            .unwrap();
+        let (mut reader, _) = listener.accept().await.unwrap();
+        let (refused, (waiting, mut writer_waits)) = (AtomicUsize::new(0), watch::channel(false));
+        let (_, w) = writer.split();
+        let mut to = Counting {
+            inner: w,
+            refused: &refused,
+            waiting: &waiting,
+        };
+        let write = async {
+            let mut direct = true;
+            for i in 0..WRITES {
+                let bytes = vec![i as u8; SIZE];
+                send(&mut to, &bytes, &mut direct).await.unwrap();
+            }
+            to.shutdown().await.unwrap();
+            // Nothing waits from here: the reader reads on to the end.
+            waiting.send_replace(true);
+        };
+        let read = async {
+            let mut got = Vec::with_capacity(WRITES * SIZE);
+            let mut chunk = vec![0u8; 8 * 1024];
+            loop {
+                // A little at a time, only while the writer waits: the socket stays full.
+                writer_waits.wait_for(|w| *w).await.unwrap();
+                let n = reader.read(&mut chunk).await.unwrap();
+                if n == 0 {
+                    return got;
+                }
+                got.extend_from_slice(&chunk[..n]);
+            }
+        };
+        let ((), got) = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::join!(write, read)
+        })
+        .await
+        .expect("the copy did not finish within a minute");
+        let expected: Vec<u8> = (0..WRITES).flat_map(|i| vec![i as u8; SIZE]).collect();
+        assert!(got == expected, "bytes lost, duplicated or out of order");
+        let refused = refused.load(Ordering::Relaxed);
+        assert!(
+            refused <= 2,
+            "{refused} of {WRITES} straight writes were refused: each is a failed system call"
+        );
+    }
+}

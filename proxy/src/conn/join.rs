@@ -86,6 +86,7 @@ pin_project! {
         b: B,
         branches: [Branch; 2],
         done: [bool; 2],
+        b_first: bool,
         // The task's waker the branches keep, to skip their locks when it is the same.
         task: Option<Waker>,
     }
@@ -103,7 +104,28 @@ where
         b,
         branches: [Branch::new(), Branch::new()],
         done: [false; 2],
+        b_first: false,
         task: None,
+    }
+}
+
+/// Polls one branch if it was woken and has not ended: the error it ended with, if any.
+/// Inlined: out of line it is a call per branch per wake-up, the copy loop inside it.
+#[inline(always)]
+fn step<F, E>(f: Pin<&mut F>, branch: &Branch, done: &mut bool) -> Option<E>
+where
+    F: Future<Output = Result<(), E>>,
+{
+    if *done || !branch.take() {
+        return None;
+    }
+    match f.poll(&mut Context::from_waker(&branch.waker)) {
+        Poll::Ready(Ok(())) => {
+            *done = true;
+            None
+        }
+        Poll::Ready(Err(e)) => Some(e),
+        Poll::Pending => None,
     }
 }
 
@@ -115,7 +137,7 @@ where
     type Output = Result<(), E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
+        let mut this = self.project();
         // Kept before the marks are read: a wake after the read then finds the task.
         if !this.task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
             for branch in this.branches.iter() {
@@ -123,22 +145,21 @@ where
             }
             *this.task = Some(cx.waker().clone());
         }
+        // Each goes first every other poll (as `try_join!` rotates): a direction that spends
+        // the task's whole coop budget (a client uploading faster than a poll drains) must
+        // not keep the other from its turn, which would hold the replies back.
+        let b_first = std::mem::replace(this.b_first, !*this.b_first);
         let [ba, bb] = &*this.branches;
-        if !this.done[0] && ba.take() {
-            match this.a.poll(&mut Context::from_waker(&ba.waker)) {
-                Poll::Ready(Ok(())) => this.done[0] = true,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => {}
-            }
+        let [done_a, done_b] = this.done;
+        let failed = if b_first {
+            step(this.b.as_mut(), bb, done_b).or_else(|| step(this.a.as_mut(), ba, done_a))
+        } else {
+            step(this.a.as_mut(), ba, done_a).or_else(|| step(this.b.as_mut(), bb, done_b))
+        };
+        if let Some(e) = failed {
+            return Poll::Ready(Err(e));
         }
-        if !this.done[1] && bb.take() {
-            match this.b.poll(&mut Context::from_waker(&bb.waker)) {
-                Poll::Ready(Ok(())) => this.done[1] = true,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => {}
-            }
-        }
-        if this.done[0] && this.done[1] {
+        if *done_a && *done_b {
             Poll::Ready(Ok(()))
         } else {
             Poll::Pending
@@ -245,21 +266,44 @@ mod tests {
         assert_eq!(task.woken(), 4);
     }
 
-    /// The second branch wakes the first while the task polls it: the first is polled on
-    /// the task's next poll, which that wake asked for.
+    /// The branch polled second wakes the one polled first, whose turn has passed: that one
+    /// is polled on the task's next poll, which the wake asked for. (The second poll puts
+    /// `b` first, the third `a`.)
     #[test]
     fn a_wake_during_a_poll_is_not_lost() {
         let (a, b) = (Probe::default(), Probe::default());
         let task = Arc::new(Task::default());
         let mut join = std::pin::pin!(try_join(a.run(), b.run()));
         assert!(poll(join.as_mut(), &task).is_pending());
-        *b.wakes.lock().unwrap() = a.waker.lock().unwrap().clone();
-        b.wake();
+        *a.wakes.lock().unwrap() = b.waker.lock().unwrap().clone();
+        a.wake();
         assert!(poll(join.as_mut(), &task).is_pending());
-        assert_eq!((a.polls(), b.polls()), (1, 2));
-        assert_eq!(task.woken(), 2, "b's wake, then a's from within b's poll");
+        assert_eq!((a.polls(), b.polls()), (2, 1));
+        assert_eq!(task.woken(), 2, "a's wake, then b's from within a's poll");
         assert!(poll(join.as_mut(), &task).is_pending());
         assert_eq!((a.polls(), b.polls()), (2, 2));
+    }
+
+    /// Both woken on every poll (each wakes itself, as a branch out of coop budget does):
+    /// each goes first every other poll, so neither holds the other back.
+    #[test]
+    fn the_branches_take_turns_going_first() {
+        let order = Mutex::new(Vec::new());
+        let branch = |name: &'static str| {
+            let order = &order;
+            std::future::poll_fn(move |cx| {
+                order.lock().unwrap().push(name);
+                cx.waker().wake_by_ref();
+                Poll::<Result<(), ()>>::Pending
+            })
+        };
+        let task = Arc::new(Task::default());
+        let mut join = std::pin::pin!(try_join(branch("a"), branch("b")));
+        for _ in 0..4 {
+            assert!(poll(join.as_mut(), &task).is_pending());
+        }
+        let order = order.into_inner().unwrap();
+        assert_eq!(order, ["a", "b", "b", "a", "a", "b", "b", "a"]);
     }
 
     /// A join moved to another task (another waker) wakes that task, not the first.
@@ -299,23 +343,63 @@ mod tests {
         }
     }
 
-    /// On a runtime, woken from another thread: the join ends as the branches do.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn woken_from_another_thread() {
+    /// A task's waker that unparks the thread polling it, and counts its wakes.
+    struct Unpark {
+        thread: std::thread::Thread,
+        wakes: AtomicUsize,
+    }
+
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref()
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.wakes.fetch_add(1, Ordering::SeqCst);
+            self.thread.unpark();
+        }
+    }
+
+    /// Woken from another thread once both branches wait: the task is woken, and the join
+    /// ends as the branches do. Polled by hand, only after a wake, so that nothing else (a
+    /// timer) can stand in for a lost one.
+    #[test]
+    fn woken_from_another_thread() {
         for _ in 0..100 {
             let (tx_a, rx_a) = tokio::sync::oneshot::channel::<()>();
             let (tx_b, rx_b) = tokio::sync::oneshot::channel::<()>();
-            let waker = std::thread::spawn(move || {
+            let (go, waiting) = std::sync::mpsc::channel::<()>();
+            let sender = std::thread::spawn(move || {
+                waiting.recv().unwrap();
                 tx_b.send(()).unwrap();
                 tx_a.send(()).unwrap();
             });
-            let joined = try_join(
+            let task = Arc::new(Unpark {
+                thread: std::thread::current(),
+                wakes: AtomicUsize::new(0),
+            });
+            let waker = Waker::from(task.clone());
+            let mut cx = Context::from_waker(&waker);
+            let mut joined = std::pin::pin!(try_join(
                 async { rx_a.await.map_err(|_| "a dropped") },
                 async { rx_b.await.map_err(|_| "b dropped") },
-            );
-            let r = tokio::time::timeout(std::time::Duration::from_secs(10), joined).await;
-            assert_eq!(r, Ok(Ok(())), "a wake from the other thread was lost");
-            waker.join().unwrap();
+            ));
+            assert!(joined.as_mut().poll(&mut cx).is_pending());
+            go.send(()).unwrap();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            let mut seen = 0;
+            let r = loop {
+                while task.wakes.load(Ordering::SeqCst) == seen {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    assert!(!left.is_zero(), "a wake from the other thread was lost");
+                    std::thread::park_timeout(left);
+                }
+                seen = task.wakes.load(Ordering::SeqCst);
+                if let Poll::Ready(r) = joined.as_mut().poll(&mut cx) {
+                    break r;
+                }
+            };
+            assert_eq!(r, Ok(()));
+            sender.join().unwrap();
         }
     }
 }
