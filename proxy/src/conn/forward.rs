@@ -816,7 +816,6 @@ fn eof_ok(read: std::io::Result<usize>) -> std::io::Result<usize> {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use std::io;
