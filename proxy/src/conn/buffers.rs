@@ -14,10 +14,12 @@ use std::future::Future;
 use std::io;
 use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
-use std::task::{ready, Poll};
+use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 use tokio::net::tcp;
+
+use super::keepalive::LateKeepalive;
 
 /// Buffers kept per thread for reuse: enough for the connections of one busy worker's
 /// wake-up, few enough that a burst does not pin memory for good.
@@ -85,29 +87,39 @@ pub trait Source: Send {
     /// Whether the buffer goes back to the free list once what was read is written.
     const RELEASES: bool;
 
+    /// Whether `read_into` can set keepalive on the socket (a plain TCP one).
+    const SETS_KEEPALIVE: bool = false;
+
     /// Reads what has arrived into `slot`'s buffer, taking one of `size` bytes once there
-    /// is something to read: the byte count, 0 at the end of the stream.
+    /// is something to read: the byte count, 0 at the end of the stream. With `keepalive`,
+    /// sets it on the socket when it comes due (see `conn::keepalive`).
     fn read_into<'a>(
         &'a mut self,
         slot: &'a mut Option<Buffer>,
         size: usize,
+        keepalive: Option<&'a LateKeepalive>,
     ) -> impl Future<Output = io::Result<usize>> + Send + 'a;
 }
 
 impl Source for tcp::ReadHalf<'_> {
     const RELEASES: bool = true;
+    const SETS_KEEPALIVE: bool = true;
 
     fn read_into<'a>(
         &'a mut self,
         slot: &'a mut Option<Buffer>,
         size: usize,
+        keepalive: Option<&'a LateKeepalive>,
     ) -> impl Future<Output = io::Result<usize>> + Send + 'a {
         // Polled by hand rather than with `readable().await`: that future (a waiter in the
-        // socket's list) is larger than the rest of the copy loop, and this one is two
+        // socket's list) is larger than the rest of the copy loop, and this one is three
         // pointers.
         std::future::poll_fn(move |cx| {
             if slot.is_none() {
-                ready!(self.as_ref().poll_read_ready(cx))?;
+                match self.as_ref().poll_read_ready(cx) {
+                    Poll::Ready(r) => r?,
+                    Poll::Pending => return waits(self, cx, keepalive),
+                }
             }
             let buf = slot.get_or_insert_with(|| Buffer::take(size));
             let mut read = ReadBuf::new(buf);
@@ -119,11 +131,25 @@ impl Source for tcp::ReadHalf<'_> {
                 // Readiness was stale; the waker is registered. Wait without the buffer.
                 Poll::Pending => {
                     *slot = None;
-                    Poll::Pending
+                    waits(self, cx, keepalive)
                 }
             }
         })
     }
+}
+
+/// A plain socket's read waits: the time to set keepalive if it came due. Asked only
+/// here, where a quiet connection is when its reader is woken for it.
+#[inline(always)]
+fn waits(
+    from: &tcp::ReadHalf<'_>,
+    cx: &Context<'_>,
+    keepalive: Option<&LateKeepalive>,
+) -> Poll<io::Result<usize>> {
+    if keepalive.is_some_and(|k| k.take_due(cx.waker())) {
+        crate::dial::keep_alive(socket2::SockRef::from(from.as_ref()));
+    }
+    Poll::Pending
 }
 
 /// Any other stream (TLS): read as usual, the buffer kept for the connection's life.
@@ -132,7 +158,12 @@ pub struct Held<R>(pub R);
 impl<R: AsyncRead + Unpin + Send> Source for Held<R> {
     const RELEASES: bool = false;
 
-    async fn read_into(&mut self, slot: &mut Option<Buffer>, size: usize) -> io::Result<usize> {
+    async fn read_into(
+        &mut self,
+        slot: &mut Option<Buffer>,
+        size: usize,
+        _: Option<&LateKeepalive>,
+    ) -> io::Result<usize> {
         let buf = slot.get_or_insert_with(|| Buffer::take(size));
         self.0.read(buf).await
     }

@@ -33,6 +33,7 @@ use tokio_rustls::client::TlsStream;
 use super::buffers::{Buffer, Held, Source};
 use super::join::try_join;
 use super::sink::Sink;
+use super::keepalive::LateKeepalive;
 use super::watch::{watch, Activity, HardStop, Watched};
 use crate::dial::{BackendTls, BackendTlsRx, DialError, Dialer};
 use crate::metrics::{
@@ -364,7 +365,12 @@ impl Forwarder {
                 direction: "to_client",
             })
             .clone();
-        let clock = Activity::new();
+        // A plain node socket was dialled without keepalive (see `conn::keepalive`).
+        let clock = Activity::with(if BR::SETS_KEEPALIVE {
+            LateKeepalive::wanted()
+        } else {
+            LateKeepalive::not_wanted()
+        });
         let copy = self.both(rewrite, cr, cw, br, bw, &up, &down, &clock);
         match watch(copy, &self.hard_stop, &clock, self.idle_timeout).await {
             Watched::Done(r) => r.map(|()| Closed::Eof),
@@ -749,9 +755,11 @@ where
         let mut slot: Option<Buffer> = None;
         // Writes go straight to the socket while it takes them whole (see `send`).
         let mut direct = true;
+        // The node's socket gets keepalive from here, once the watch says it is due.
+        let keepalive = (R::SETS_KEEPALIVE && side == Side::Backend).then_some(&clock.keepalive);
         loop {
             observer.ready().await;
-            let n = eof_ok(from.read_into(&mut slot, buffer_size).await)
+            let n = eof_ok(from.read_into(&mut slot, buffer_size, keepalive).await)
                 .map_err(|source| ForwardError::Io { side, source })?;
             if n == 0 {
                 // When the other direction has read its end too, the connection's sockets

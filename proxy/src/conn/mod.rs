@@ -7,7 +7,10 @@
 //!   whether closing a socket ends its stream as a shutdown would.
 //! - [`join`]: a connection's two directions joined, each polled only when it was woken.
 //! - [`watch`]: the copy watched by the idle timeout and the drain's end, which are polled
-//!   only when one of them may have fired.
+//!   only when one of them may have fired; its timer also says when a node socket gets
+//!   keepalive.
+//! - [`keepalive`]: keepalive on a node's socket, set once the connection has lasted a
+//!   second (most that end sooner never need it).
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
@@ -15,6 +18,7 @@
 
 mod buffers;
 mod join;
+mod keepalive;
 mod sink;
 mod watch;
 pub mod forward;

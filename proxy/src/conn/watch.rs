@@ -26,6 +26,8 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
+use super::keepalive::{LateKeepalive, KEEPALIVE_AFTER};
+
 /// The drain's end: when the drain timeout runs out, every connection still open closes.
 /// The token wakes the connections; the flag is what they check on a wake-up, one load
 /// where the token's own check takes a lock.
@@ -52,18 +54,28 @@ impl HardStop {
     }
 }
 
-/// Whether bytes moved since the idle timer last looked, and how many directions have read
-/// their end of stream.
+/// Whether bytes moved since the idle timer last looked, how many directions have read
+/// their end of stream, and the node socket's keepalive if it is set late.
 pub struct Activity {
     moved: AtomicBool,
     ended: AtomicU8,
+    pub keepalive: LateKeepalive,
 }
 
 impl Activity {
+    /// A connection whose sockets have their options already.
+    #[cfg(test)]
     pub fn new() -> Self {
+        Self::with(LateKeepalive::not_wanted())
+    }
+
+    /// A connection whose node socket gets keepalive once it has lasted
+    /// [`KEEPALIVE_AFTER`](super::keepalive::KEEPALIVE_AFTER): the watch says when.
+    pub fn with(keepalive: LateKeepalive) -> Self {
         Activity {
             moved: AtomicBool::new(false),
             ended: AtomicU8::new(0),
+            keepalive,
         }
     }
 
@@ -146,6 +158,10 @@ pin_project! {
         stop: &'a HardStop,
         clock: &'a Activity,
         idle: Option<Idle>,
+        // When the node socket's keepalive comes due, until it has.
+        keepalive_at: Option<Instant>,
+        // Whether the timer is set for a look or for the keepalive.
+        timed: bool,
         first: bool,
     }
 }
@@ -159,15 +175,31 @@ pub fn watch<'a, F: Future>(
 ) -> Watch<'a, F> {
     let now = Instant::now();
     let idle = idle.and_then(|t| Idle::new(t, now));
+    let keepalive_at = clock
+        .keepalive
+        .pending()
+        .then(|| now.checked_add(KEEPALIVE_AFTER))
+        .flatten();
+    let next = earliest(idle.as_ref().and_then(|i| i.next_look(now)), keepalive_at);
     Watch {
         copy,
-        // Never polled without a timeout, and so never elapsed.
-        timer: tokio::time::sleep_until(idle.as_ref().and_then(|i| i.next_look(now)).unwrap_or(now)),
+        // Without a next, never polled, and so never elapsed.
+        timer: tokio::time::sleep_until(next.unwrap_or(now)),
         stopped: stop.token.cancelled(),
         stop,
         clock,
         idle,
+        keepalive_at,
+        timed: next.is_some(),
         first: true,
+    }
+}
+
+/// The earlier of two optional instants.
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -180,22 +212,34 @@ impl<F: Future> Future for Watch<'_, F> {
         if let Poll::Ready(done) = this.copy.poll(cx) {
             return Poll::Ready(Watched::Done(done));
         }
-        if *this.first || this.stop.is_stopped() || this.timer.is_elapsed() {
+        if *this.first || this.stop.is_stopped() || (*this.timed && this.timer.is_elapsed()) {
             // A timer polled without coop budget is not armed: try again on the next poll.
             *this.first = !tokio::task::coop::has_budget_remaining();
             if this.stopped.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Watched::Stopped);
             }
-            if let Some(idle) = this.idle {
-                while this.timer.as_mut().poll(cx).is_ready() {
-                    let now = Instant::now();
-                    if this.clock.look() {
-                        idle.quiet_since = now;
+            while *this.timed && this.timer.as_mut().poll(cx).is_ready() {
+                let now = Instant::now();
+                if this.keepalive_at.is_some_and(|at| at <= now) {
+                    *this.keepalive_at = None;
+                    this.clock.keepalive.come_due();
+                }
+                let look = match this.idle {
+                    Some(idle) => {
+                        if this.clock.look() {
+                            idle.quiet_since = now;
+                        }
+                        match idle.next_look(now) {
+                            Some(at) => Some(at),
+                            None => return Poll::Ready(Watched::Idle),
+                        }
                     }
-                    match idle.next_look(now) {
-                        Some(at) => this.timer.as_mut().reset(at),
-                        None => return Poll::Ready(Watched::Idle),
-                    }
+                    None => None,
+                };
+                match earliest(look, *this.keepalive_at) {
+                    Some(at) => this.timer.as_mut().reset(at),
+                    // Without an idle timeout, nothing more to time once keepalive is set.
+                    None => *this.timed = false,
                 }
             }
         }
@@ -358,5 +402,63 @@ mod tests {
         };
         let r = watch(copy, &stop, &clock, None).await;
         assert_eq!(r, Watched::Done("done"));
+    }
+
+    /// A copy that never ends, standing in for a node's reader: counts its polls and notes
+    /// when it was told to set keepalive.
+    async fn keepalive_seen(
+        idle: Option<Duration>,
+        stop: &HardStop,
+    ) -> (Watched<()>, Option<Duration>, usize) {
+        let clock = Activity::with(LateKeepalive::wanted());
+        let started = Instant::now();
+        let (mut due_at, mut polls) = (None, 0);
+        let copy = std::future::poll_fn(|cx| {
+            polls += 1;
+            if clock.keepalive.take_due(cx.waker()) {
+                assert!(due_at.is_none(), "told twice");
+                due_at = Some(started.elapsed());
+            }
+            Poll::<()>::Pending
+        });
+        let r = tokio::time::timeout(Duration::from_secs(3600), watch(copy, stop, &clock, idle))
+            .await
+            .expect("neither the copy nor a watcher ended it within an hour");
+        (r, due_at, polls)
+    }
+
+    /// The node's reader is woken to set keepalive a second in, once, with or without an
+    /// idle timeout; without one, nothing more is timed after it (a minute of paused time
+    /// costs no poll but the drain's).
+    #[tokio::test(start_paused = true)]
+    async fn keepalive_comes_due_a_second_in_and_the_reader_is_woken_for_it() {
+        let stop = HardStop::default();
+        let (r, due_at, _) = keepalive_seen(Some(IDLE), &stop).await;
+        assert_eq!(r, Watched::Idle);
+        assert_eq!(due_at, Some(KEEPALIVE_AFTER));
+
+        let stop = HardStop::default();
+        stop_after(&stop, 60);
+        let (r, due_at, polls) = keepalive_seen(None, &stop).await;
+        assert_eq!(r, Watched::Stopped);
+        assert_eq!(due_at, Some(KEEPALIVE_AFTER));
+        // The first poll, the one woken by the timer, the reader's own wake, the drain's.
+        assert!(polls <= 4, "{polls} polls in a minute");
+    }
+
+    /// A connection whose sockets have keepalive already has no keepalive timer: without an
+    /// idle timeout, no timer at all.
+    #[tokio::test(start_paused = true)]
+    async fn without_late_keepalive_or_timeout_nothing_is_timed() {
+        let (stop, clock) = (HardStop::default(), Activity::new());
+        stop_after(&stop, 60);
+        let mut polls = 0;
+        let copy = std::future::poll_fn(|_| {
+            polls += 1;
+            Poll::<()>::Pending
+        });
+        let r = watch(copy, &stop, &clock, None).await;
+        assert_eq!(r, Watched::Stopped);
+        assert_eq!(polls, 2, "the first poll and the drain's");
     }
 }

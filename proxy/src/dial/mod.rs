@@ -112,6 +112,8 @@ impl Dialer {
         backend: &Backend,
     ) -> Result<TlsStream<TcpStream>, DialError> {
         let shown = name.to_str().into_owned();
+        // A TLS stream's copy loop cannot reach its socket: keepalive now, not late.
+        keep_alive(socket2::SockRef::from(&tcp));
         match tokio::time::timeout(self.connect_timeout, tls.connector().connect(name, tcp)).await {
             Ok(Ok(s)) => Ok(s),
             Ok(Err(source)) => Err(DialError::Tls {
@@ -127,8 +129,9 @@ impl Dialer {
     }
 }
 
-/// A connection to `addr` with the options of both legs (`tune_socket`), set before the
-/// connect.
+/// A connection to `addr` with TCP_NODELAY, set before the connect. Keepalive is left to
+/// its user: a plain node connection gets it once it has lasted a second
+/// (`conn::keepalive`), a TLS one when its handshake starts ([`Dialer::tls`]).
 ///
 /// On loopback, and often on a fast network, the handshake is done by the time the
 /// non-blocking `connect` returns. That is checked at once (`getpeername`, which takes the
@@ -139,7 +142,7 @@ impl Dialer {
 /// than tokio's).
 pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
     let socket = nonblocking_socket(addr)?;
-    tune_socket(socket2::SockRef::from(&socket));
+    no_delay(socket2::SockRef::from(&socket));
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
@@ -202,7 +205,8 @@ pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpList
     )?;
     // As tokio's own bind: a restarted proxy takes its ports back at once.
     socket.set_reuse_address(true)?;
-    tune_socket(socket2::SockRef::from(&socket));
+    no_delay(socket2::SockRef::from(&socket));
+    keep_alive(socket2::SockRef::from(&socket));
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     // tokio's backlog.
@@ -210,11 +214,15 @@ pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpList
     tokio::net::TcpListener::from_std(socket.into())
 }
 
-/// Socket options for both legs: small requests and replies must not wait for Nagle, and
-/// keepalive finds peers that vanished without a FIN before the idle timeout would (or
-/// ever, with the idle timeout off).
-fn tune_socket(socket: socket2::SockRef<'_>) {
+/// Small requests and replies must not wait for Nagle: on both legs, from the start.
+fn no_delay(socket: socket2::SockRef<'_>) {
     let _ = socket.set_tcp_nodelay(true);
+}
+
+/// TCP keepalive, 60 s then every 10 s: it finds peers that vanished without a FIN before
+/// the idle timeout would (or ever, with the idle timeout off). Three system calls; a node
+/// connection gets it late (`conn::keepalive`).
+pub fn keep_alive(socket: socket2::SockRef<'_>) {
     let keepalive = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(60))
         .with_interval(Duration::from_secs(10));
@@ -246,14 +254,19 @@ mod tests {
         assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(10));
     }
 
-    /// `connect`'s own options, and its fast path: on loopback the handshake is done when
-    /// the connect call returns.
+    /// `connect`'s own option, and its fast path: on loopback the handshake is done when
+    /// the connect call returns. Keepalive is not set (its user sets it, late or at the
+    /// TLS handshake); `keep_alive` sets the listener's.
     #[tokio::test]
-    async fn connect_sets_the_options_of_both_legs() {
+    async fn connect_sets_no_delay_and_leaves_keepalive_to_its_user() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stream = connect(addr).await.unwrap();
         assert_eq!(stream.peer_addr().unwrap(), addr);
+        let s = socket2::SockRef::from(&stream);
+        assert!(s.tcp_nodelay().unwrap());
+        assert!(!s.keepalive().unwrap());
+        keep_alive(socket2::SockRef::from(&stream));
         assert_tuned(&stream);
     }
 

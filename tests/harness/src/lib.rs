@@ -22,6 +22,7 @@
 //!   client certificates, another CA) and a rustls client that dials 127.0.0.1 with any SNI.
 //! - [`stunnel`]: TLS-speaking nodes (stunnel in front of a plain valkey-server).
 //! - [`fuzz`]: the seeded RNG and run settings of the time-bounded mutation fuzzers.
+//! - [`tcp_table`]: the kernel's table of TCP sockets, for a socket's keepalive timer.
 
 pub mod addr;
 pub mod clients;
@@ -31,6 +32,7 @@ pub mod procs;
 pub mod proxy_process;
 pub mod routes;
 pub mod stunnel;
+pub mod tcp_table;
 pub mod tls;
 pub mod tools;
 pub mod valkey;

@@ -11,6 +11,7 @@ use shardgate_harness::addr::{free_port, free_port_range};
 use shardgate_harness::clients::{closed_within, watch_idle_timeout};
 use shardgate_harness::http::{get, metric, metric_value};
 use shardgate_harness::routes::one_node_per_shard;
+use shardgate_harness::tcp_table::keepalive_timer;
 use shardgate_harness::valkey::Standalone;
 use shardgate_proxy::{Proxy, ProxyConfig, ProxyHandle, SourceConfig};
 use tokio::task::block_in_place;
@@ -422,4 +423,76 @@ async fn half_closes_pass_both_ways_and_the_end_is_a_fin() {
     );
     p.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `CLIENT INFO` asked through a connection: the `addr=` Valkey sees, which is the proxy's
+/// end of its connection to the node.
+fn node_side_addr(s: &mut TcpStream) -> SocketAddr {
+    s.write_all(b"*2\r\n$6\r\nCLIENT\r\n$4\r\nINFO\r\n")
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = 0;
+    loop {
+        let n = s.read(&mut buf[got..]).unwrap();
+        assert!(n > 0, "closed");
+        got += n;
+        let text = String::from_utf8_lossy(&buf[..got]);
+        if text.matches("\r\n").count() >= 2 {
+            let addr = text
+                .split_whitespace()
+                .find_map(|f| f.strip_prefix("addr="))
+                .unwrap_or_else(|| panic!("no addr= in {text:?}"));
+            return addr.parse().unwrap();
+        }
+    }
+}
+
+/// A node connection gets TCP keepalive (60 s, then every 10 s) once it has lasted a
+/// second: the three socket options are left off connections that end sooner. Seen in the
+/// kernel's table of sockets, where the proxy's socket to the node shows its keepalive
+/// timer; with the idle timeout on (the default hour) and off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_connection_gets_keepalive_once_it_has_lasted_a_second() {
+    let v = block_in_place(Standalone::start).unwrap();
+    let node = SocketAddr::from((LO, v.port));
+    for idle in [Some(Duration::from_secs(3600)), None] {
+        let base = free_port_range(LO, 1);
+        let p = proxy(
+            routes_file(&v.dir, base, &[format!("127.0.0.1:{}", v.port)]),
+            |c| c.idle_timeout = idle,
+        )
+        .await;
+        block_in_place(|| {
+            let mut s = connect(base);
+            let opened = Instant::now();
+            let local = node_side_addr(&mut s);
+            let first = keepalive_timer(local, node).expect("the proxy's socket to the node");
+            // Judged only if seen well within the second.
+            if opened.elapsed() < Duration::from_millis(800) {
+                assert!(!first.0, "keepalive set at once (idle timeout {idle:?})");
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let ticks = loop {
+                match keepalive_timer(local, node) {
+                    Some((true, ticks)) => break ticks,
+                    Some(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    other => panic!(
+                        "no keepalive on the node connection after {:?} (idle timeout \
+                         {idle:?}): {other:?}",
+                        opened.elapsed()
+                    ),
+                }
+            };
+            assert!(
+                opened.elapsed() >= Duration::from_secs(1),
+                "keepalive before a second"
+            );
+            // The proxy's 60 s, not the system's two hours.
+            assert!(ticks <= 6_000, "keepalive fires in {ticks} ticks");
+            ping(&mut s).expect("the connection still answers");
+        });
+        p.shutdown().await;
+    }
 }

@@ -1189,6 +1189,18 @@ async fn node_ports_reach_nodes_over_tls() {
     let laddr = format!("laddr={}:{tls_port} ", cluster.node(owner).ip());
     let info = String::from_utf8_lossy(&info);
     assert!(info.contains(&laddr), "{info}");
+    // A TLS leg has keepalive (60 s) from its handshake on: its copy loop cannot reach the
+    // socket to set it late, as a plain leg's does.
+    let proxy_end: SocketAddr = info
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("addr="))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no addr= in {info}"));
+    let keepalive = shardgate_harness::tcp_table::keepalive_timer(proxy_end, owner_tls);
+    assert!(
+        matches!(keepalive, Some((true, ticks)) if ticks <= 6_000),
+        "the TLS leg's keepalive: {keepalive:?}"
+    );
     // A redirect: Valkey names the other owner at its TLS port, the proxy at its node port.
     let slot = key_slot(b"{other}");
     let other = cluster.slot_owner(slot).unwrap();
