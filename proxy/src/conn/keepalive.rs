@@ -87,20 +87,32 @@ impl LateKeepalive {
     }
 
     /// The reader's first wait (its waker kept) or its wait once due (true: set it now).
+    /// The state is changed only from the one it was read as: `come_due` may have stored
+    /// DUE since, and that must not be overwritten.
     #[cold]
     #[inline(never)]
     fn advance(&self, state: u8, waker: &Waker) -> bool {
         let mut reader = self.reader.lock().unwrap_or_else(PoisonError::into_inner);
+        let swap = |to| {
+            self.state
+                .compare_exchange(state, to, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        };
         if state == WANTED {
-            *reader = Some(waker.clone());
-            self.state.store(WAITING, Ordering::Relaxed);
-            false
-        } else {
-            self.state.store(DONE, Ordering::Relaxed);
+            if swap(WAITING) {
+                *reader = Some(waker.clone());
+                return false;
+            }
+            // Came due meanwhile: set it now.
+            drop(reader);
+            return self.take_due(waker);
+        }
+        if swap(DONE) {
             // The waker is not needed any more.
             reader.take();
-            true
+            return true;
         }
+        false
     }
 }
 

@@ -4,7 +4,8 @@
 //! `select!` polls every branch on every wake-up: at pipeline 1 that is two wake-ups per
 //! request, each polling the idle timer (its waker registered again) and the cancellation
 //! (a lock, another registration), and drawing a random number to pick the order. The
-//! watchers fire once in a connection's life, if ever. Each keeps the task's waker from its
+//! watchers fire once in a connection's life, if ever (the timer also once a second in,
+//! when the node's socket gets keepalive: `conn::keepalive`). Each keeps the task's waker from its
 //! last poll, so it still wakes the task when it fires; on other wake-ups two loads (the
 //! hard stop's flag, the timer's elapsed state) show that it did not, and only the copy is
 //! polled.
@@ -213,8 +214,6 @@ impl<F: Future> Future for Watch<'_, F> {
             return Poll::Ready(Watched::Done(done));
         }
         if *this.first || this.stop.is_stopped() || (*this.timed && this.timer.is_elapsed()) {
-            // A timer polled without coop budget is not armed: try again on the next poll.
-            *this.first = !tokio::task::coop::has_budget_remaining();
             if this.stopped.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Watched::Stopped);
             }
@@ -242,6 +241,10 @@ impl<F: Future> Future for Watch<'_, F> {
                     None => *this.timed = false,
                 }
             }
+            // A timer polled without coop budget is not armed: try again on the next poll
+            // (which the runtime makes soon, having refused the budget). Asked after the
+            // timer's polls, which take budget too.
+            *this.first = !tokio::task::coop::has_budget_remaining();
         }
         Poll::Pending
     }
@@ -286,8 +289,16 @@ mod tests {
         // Last moves at every phase of the timer's looks (625 ms apart), and on one (3 x
         // 3,125 ms: the copy, polled first, moves bytes as the timer fires).
         let gaps = (0..=16u64).map(|step| 3000 + 77 * step).chain([3125]);
-        for gap in gaps.map(Duration::from_millis) {
-            let (stop, clock) = (HardStop::default(), Activity::new());
+        // With the node socket's keepalive to time as well (a second in), and without.
+        for (gap, late) in gaps
+            .map(Duration::from_millis)
+            .flat_map(|gap| [(gap, false), (gap, true)])
+        {
+            let clock = match late {
+                true => Activity::with(LateKeepalive::wanted()),
+                false => Activity::new(),
+            };
+            let stop = HardStop::default();
             let started = Instant::now();
             let copy = async {
                 for _ in 0..3 {
@@ -300,7 +311,8 @@ mod tests {
             let quiet = started.elapsed() - 3 * gap;
             assert!(
                 quiet >= IDLE && quiet <= IDLE + IDLE / 8,
-                "closed {quiet:?} after the last bytes moved, timeout {IDLE:?}"
+                "closed {quiet:?} after the last bytes moved, timeout {IDLE:?}, keepalive \
+                 timed {late}"
             );
         }
     }
@@ -444,6 +456,45 @@ mod tests {
         assert_eq!(due_at, Some(KEEPALIVE_AFTER));
         // The first poll, the one woken by the timer, the reader's own wake, the drain's.
         assert!(polls <= 4, "{polls} polls in a minute");
+    }
+
+    /// A copy that spends the task's coop budget: on the first poll all of it (the timer
+    /// cannot be armed then, and is on a later poll), then all but one unit, which each
+    /// look takes (the timer, reset, is refused in the same poll; the look's own poll kept
+    /// the waker). The quiet connection idles out on time, with the keepalive timed and
+    /// without. It stays open for good if the timer is not tried again after a refusal.
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_that_spends_the_budget_does_not_lose_the_timer() {
+        for late in [false, true] {
+            let clock = match late {
+                true => Activity::with(LateKeepalive::wanted()),
+                false => Activity::new(),
+            };
+            let stop = HardStop::default();
+            let started = Instant::now();
+            // Units of budget the copy finds on each poll, counted on its first (which it
+            // spends whole).
+            let mut units: Option<usize> = None;
+            let copy = std::future::poll_fn(|cx| {
+                let spend = |cx: &mut Context<'_>| {
+                    let unit = std::pin::pin!(tokio::task::coop::cooperative(std::future::ready(())));
+                    unit.poll(cx).is_ready()
+                };
+                match units {
+                    None => units = Some((0..).take_while(|_| spend(cx)).count()),
+                    Some(n) => {
+                        for _ in 1..n {
+                            assert!(spend(cx), "fewer than {n} units");
+                        }
+                        assert!(tokio::task::coop::has_budget_remaining());
+                    }
+                }
+                Poll::<()>::Pending
+            });
+            assert_eq!(run(copy, &stop, &clock).await, Watched::Idle, "keepalive timed {late}");
+            let quiet = started.elapsed();
+            assert!(quiet >= IDLE && quiet <= IDLE + IDLE / 8, "closed after {quiet:?}");
+        }
     }
 
     /// A connection whose sockets have keepalive already has no keepalive timer: without an

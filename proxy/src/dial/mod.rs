@@ -73,7 +73,7 @@ impl Dialer {
         }
     }
 
-    /// A tuned TCP connection to `backend` (see [`connect`]).
+    /// A TCP connection to `backend`, TCP_NODELAY set (see [`connect`]).
     pub async fn tcp(&self, backend: &Backend) -> Result<TcpStream, DialError> {
         self.resolver.dial(backend, self.connect_timeout).await
     }
@@ -194,9 +194,10 @@ async fn established(stream: &TcpStream) -> std::io::Result<()> {
     }
 }
 
-/// A listener on `addr` with the options of both legs, set before it listens: Linux copies them
-/// to every socket it accepts, which then needs no setsockopt of its own (four system calls
-/// fewer per client connection), and no connection is accepted without them.
+/// A listener on `addr` with the client leg's options (TCP_NODELAY and keepalive), set
+/// before it listens: Linux copies them to every socket it accepts, which then needs no
+/// setsockopt of its own (four system calls fewer per client connection), and no
+/// connection is accepted without them.
 pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),

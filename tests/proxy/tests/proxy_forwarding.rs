@@ -466,18 +466,20 @@ async fn a_node_connection_gets_keepalive_once_it_has_lasted_a_second() {
             let mut s = connect(base);
             let opened = Instant::now();
             let local = node_side_addr(&mut s);
-            let first = keepalive_timer(local, node).expect("the proxy's socket to the node");
-            // Judged only if seen well within the second.
+            // Judged only if seen well within the second. (The table is read in pieces,
+            // so a row can be missed while other sockets come and go: then no judgement.)
+            let first = keepalive_timer(local, node);
             if opened.elapsed() < Duration::from_millis(800) {
-                assert!(!first.0, "keepalive set at once (idle timeout {idle:?})");
+                assert!(
+                    !first.is_some_and(|(on, _)| on),
+                    "keepalive set at once (idle timeout {idle:?})"
+                );
             }
             let deadline = Instant::now() + Duration::from_secs(10);
             let ticks = loop {
                 match keepalive_timer(local, node) {
                     Some((true, ticks)) => break ticks,
-                    Some(_) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(50))
-                    }
+                    _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
                     other => panic!(
                         "no keepalive on the node connection after {:?} (idle timeout \
                          {idle:?}): {other:?}",
