@@ -301,23 +301,29 @@ async fn a_route_to_the_proxy_itself_is_refused() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// `INFO server`'s `tcp_port` asked through a connection: which server is behind it.
-fn server_port(s: &mut TcpStream) -> u16 {
-    s.write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
-        .unwrap();
+/// Sends `command` (RESP bytes) on `s` and reads until `answer` finds what it wants in the
+/// reply so far.
+fn ask<T>(s: &mut TcpStream, command: &[u8], answer: impl Fn(&str) -> Option<T>) -> T {
+    s.write_all(command).unwrap();
     let mut buf = vec![0u8; 64 * 1024];
     let mut got = 0;
     loop {
         let n = s.read(&mut buf[got..]).unwrap();
         assert!(n > 0, "closed");
         got += n;
-        let text = String::from_utf8_lossy(&buf[..got]);
-        if let Some(line) = text.lines().find(|l| l.starts_with("tcp_port:")) {
-            if text.ends_with("\r\n\r\n") {
-                return line["tcp_port:".len()..].trim().parse().unwrap();
-            }
+        if let Some(found) = answer(&String::from_utf8_lossy(&buf[..got])) {
+            return found;
         }
     }
+}
+
+/// `INFO server`'s `tcp_port` asked through a connection: which server is behind it.
+fn server_port(s: &mut TcpStream) -> u16 {
+    ask(s, b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n", |text| {
+        let line = text.lines().find(|l| l.starts_with("tcp_port:"))?;
+        text.ends_with("\r\n\r\n")
+            .then(|| line["tcp_port:".len()..].trim().parse().unwrap())
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -428,23 +434,15 @@ async fn half_closes_pass_both_ways_and_the_end_is_a_fin() {
 /// `CLIENT INFO` asked through a connection: the `addr=` Valkey sees, which is the proxy's
 /// end of its connection to the node.
 fn node_side_addr(s: &mut TcpStream) -> SocketAddr {
-    s.write_all(b"*2\r\n$6\r\nCLIENT\r\n$4\r\nINFO\r\n")
-        .unwrap();
-    let mut buf = vec![0u8; 4096];
-    let mut got = 0;
-    loop {
-        let n = s.read(&mut buf[got..]).unwrap();
-        assert!(n > 0, "closed");
-        got += n;
-        let text = String::from_utf8_lossy(&buf[..got]);
-        if text.matches("\r\n").count() >= 2 {
+    ask(s, b"*2\r\n$6\r\nCLIENT\r\n$4\r\nINFO\r\n", |text| {
+        (text.matches("\r\n").count() >= 2).then(|| {
             let addr = text
                 .split_whitespace()
                 .find_map(|f| f.strip_prefix("addr="))
                 .unwrap_or_else(|| panic!("no addr= in {text:?}"));
-            return addr.parse().unwrap();
-        }
-    }
+            addr.parse().unwrap()
+        })
+    })
 }
 
 /// A node connection gets TCP keepalive (60 s, then every 10 s) once it has lasted a
