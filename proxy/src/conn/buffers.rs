@@ -147,7 +147,7 @@ impl Source for tcp::ReadHalf<'_> {
 /// system call. The readiness cleared is the one seen before the read, so an event that
 /// came during it is kept.
 ///
-/// On Linux the read is rustix's `recv`, the system call itself: libc's is a thread
+/// The read is rustix's `recv`, on Linux the system call itself: libc's is a thread
 /// cancellation point, wrapped in two calls that switch cancellation on and off (about 30
 /// instructions per read, which this thread never needs).
 #[inline(always)]
@@ -168,17 +168,10 @@ fn read_now(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> io::Result<usize>
     }
 }
 
-#[cfg(any(target_os = "linux", target_os = "android"))]
+/// rustix's `recv`, on every Unix (unlike `MSG_NOSIGNAL` for `send`, no flag differs).
 #[inline(always)]
 fn recv(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     Ok(rustix::net::recv(stream, buf, rustix::net::RecvFlags::empty())?.0)
-}
-
-#[cfg(not(any(target_os = "linux", target_os = "android")))]
-#[inline(always)]
-fn recv(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> io::Result<usize> {
-    use std::io::Read;
-    socket2::SockRef::from(stream).read(buf)
 }
 
 /// A plain socket's read waits: the time to set keepalive if it came due. Asked only

@@ -5,10 +5,10 @@
 //! request, each polling the idle timer (its waker registered again) and the cancellation
 //! (a lock, another registration), and drawing a random number to pick the order. The
 //! watchers fire once in a connection's life, if ever (the timer also once a second in,
-//! when the node's socket gets keepalive: `conn::keepalive`). Each keeps the task's waker from its
-//! last poll, so it still wakes the task when it fires; on other wake-ups two loads (the
-//! hard stop's flag, the timer's elapsed state) show that it did not, and only the copy is
-//! polled.
+//! when the node's socket gets keepalive: `conn::keepalive`). Each keeps the task's waker
+//! from its last poll, so it still wakes the task when it fires; on other wake-ups two
+//! loads (the hard stop's flag, the timer's elapsed state) show that it did not, and only
+//! the copy is polled.
 //!
 //! Moving bytes sets a flag, and the idle timer reads the clock only when it looks, an
 //! eighth of the timeout apart: reading the clock at every write was 6.5% of pass-through's
