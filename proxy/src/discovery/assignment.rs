@@ -5,11 +5,18 @@
 //! restart never renumbers the listeners, and new nodes take the lowest free index of their
 //! shard. A node still joining (a shard of its own without slots) waits for its place.
 //!
-//! Views of a joining node disagree for a moment: gossip reaches the nodes one by one, so
-//! one node may list it in its new shard while another still lists it alone. A node placed
-//! last time that a view shows in such a slotless shard of its own is held where it was, as
-//! a replica, instead of being given a port in a shard nobody routes to (and moving back),
-//! for [`HOLD_REFRESHES`] refreshes at most; then it waits for its place like a new node.
+//! Views of the cluster disagree for a moment: gossip reaches the nodes one by one, so the
+//! view chosen may be one that has not heard the news yet. A node placed last time that the
+//! view chosen shows somewhere it cannot be placed for good is held where it was, as a
+//! replica, for [`HOLD_REFRESHES`] refreshes in a row at most, instead of losing its port
+//! and getting it back (or another) a refresh later:
+//! - alone in a shard without slots (a join the answering node has not caught up with);
+//! - not at all (the node is still in the handshake there, or unknown to it);
+//! - as a replica of another shard it had a port in before (a `CLUSTER REPLICATE` that
+//!   not every node has heard of).
+//!
+//! After that the view is believed: the node waits for its place like a new node, leaves the
+//! table, or moves to its new shard.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -22,14 +29,32 @@ use shardgate_crds::NodeRef;
 /// new one) gives up its port after this.
 pub const HOLD_REFRESHES: u32 = 5;
 
+/// Why a node placed last time is held where it was (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    Alone,
+    Missing,
+    Moved,
+}
+
+impl Hold {
+    fn describe(self) -> &'static str {
+        match self {
+            Hold::Alone => "the view chosen shows the node alone without slots",
+            Hold::Missing => "the view chosen does not list the node",
+            Hold::Moved => "the view chosen shows the node as a replica of another shard",
+        }
+    }
+}
+
 /// Sticky (shard, node) indices across refreshes.
 #[derive(Debug, Default)]
 pub struct Assignment {
     stride: Option<u32>,
     shards: HashMap<String, u32>,
     nodes: HashMap<String, NodeRef>,
-    /// The nodes placed by the last discovery.
-    last: HashSet<String>,
+    /// The nodes placed by the last discovery, as they were described then.
+    last: HashMap<String, NodeView>,
     /// Nodes held where they were, and for how many refreshes in a row.
     held: HashMap<String, u32>,
 }
@@ -76,37 +101,58 @@ impl Assignment {
             .filter(|s| s.slots.is_empty() && !self.shards.contains_key(&s.key()))
             .map(|s| s.key())
             .collect();
-        let mut held: Vec<(NodeRef, Cow<'a, NodeView>)> = vec![];
+        let listed: HashMap<&str, (&ShardView, &NodeView)> = shards
+            .iter()
+            .flat_map(|s| s.nodes.iter().map(move |n| (n.id.as_str(), (s, n))))
+            .collect();
+        let mut was_placed: Vec<(&String, &NodeView)> = self.last.iter().collect();
+        was_placed.sort_by_key(|(id, _)| *id);
+        let mut held: Vec<(NodeRef, Cow<'a, NodeView>, Hold)> = vec![];
         let mut held_times: HashMap<String, u32> = HashMap::new();
-        for shard in order.iter().filter(|s| unsettled.contains(&s.key())) {
-            for node in &shard.nodes {
-                let was = self.nodes.get(&node.id).filter(|_| self.last.contains(&node.id));
-                let times = self.held.get(&node.id).copied().unwrap_or(0);
-                match was {
-                    Some(r) if times < HOLD_REFRESHES => {
-                        // Said on every refresh it lasts: a few lines, and what explains a
-                        // node that went on answering at its port as a replica.
-                        tracing::info!(
-                            node = %node.id,
-                            port_index = ?r,
-                            refresh = times + 1,
-                            of = HOLD_REFRESHES,
-                            "the view chosen shows a node alone without slots: kept where it was"
-                        );
-                        held_times.insert(node.id.clone(), times + 1);
-                        let mut node = node.clone();
-                        node.primary = false;
-                        held.push((*r, Cow::Owned(node)));
-                    }
-                    Some(_) => tracing::info!(
-                        node = %node.id,
-                        "a node alone without slots for {HOLD_REFRESHES} refreshes gives up its port"
-                    ),
-                    None => {}
+        for (id, last_view) in was_placed {
+            let Some(&r) = self.nodes.get(id) else {
+                continue;
+            };
+            let hold = match listed.get(id.as_str()) {
+                None => Hold::Missing,
+                Some((s, _)) if unsettled.contains(&s.key()) => Hold::Alone,
+                Some((s, n))
+                    if !n.primary
+                        && self.shards.get(&s.key()).is_some_and(|&i| i != r.shard.0) =>
+                {
+                    Hold::Moved
                 }
+                Some(_) => continue,
+            };
+            let times = self.held.get(id).copied().unwrap_or(0);
+            if times >= HOLD_REFRESHES {
+                tracing::info!(
+                    node = %id,
+                    "{} for {HOLD_REFRESHES} refreshes: it gives up its port",
+                    hold.describe()
+                );
+                continue;
             }
+            // Said on every refresh it lasts: a few lines, and what explains a node that
+            // went on answering at its port as a replica.
+            tracing::info!(
+                node = %id,
+                port_index = ?r,
+                refresh = times + 1,
+                of = HOLD_REFRESHES,
+                "{}: kept where it was",
+                hold.describe()
+            );
+            held_times.insert(id.clone(), times + 1);
+            // The view's description if it has one (the node may have a new address), else
+            // last time's.
+            let mut node = listed
+                .get(id.as_str())
+                .map_or_else(|| last_view.clone(), |(_, n)| (*n).clone());
+            node.primary = false;
+            held.push((r, Cow::Owned(node), hold));
         }
-        self.held = held_times;
+        let held_ids: HashSet<String> = held.iter().map(|(_, n, _)| n.id.clone()).collect();
         for shard in order {
             let key = shard.key();
             if unsettled.contains(&key) {
@@ -114,17 +160,25 @@ impl Assignment {
             }
             let next_shard = self.shards.values().map(|s| s + 1).max().unwrap_or(0);
             let s = *self.shards.entry(key).or_insert(next_shard);
-            let mut nodes: Vec<&NodeView> = shard.nodes.iter().collect();
+            let mut nodes: Vec<&NodeView> = shard
+                .nodes
+                .iter()
+                .filter(|n| !held_ids.contains(&n.id))
+                .collect();
             // Nodes placed last time claim their index first.
-            nodes.sort_by_key(|n| (!self.last.contains(&n.id), !n.primary, n.id.clone()));
+            nodes.sort_by_key(|n| (!self.last.contains_key(&n.id), !n.primary, n.id.clone()));
             // Known nodes keep their index, unless a node placed last time holds it (a node
             // that was gone came back after its index was reused): the returning one is
-            // placed again like a new node.
-            let mut used: Vec<u32> = held
-                .iter()
-                .filter(|(r, _)| r.shard.0 == s)
-                .map(|(r, _)| r.node.0)
-                .collect();
+            // placed again like a new node. A node held that the view does not list at all
+            // is the likeliest to be gone for good: a node the view lists may take its index.
+            let mut used: Vec<u32> = vec![];
+            let mut yielding: Vec<u32> = vec![];
+            for (r, _, hold) in held.iter().filter(|(r, _, _)| r.shard.0 == s) {
+                match hold {
+                    Hold::Missing => yielding.push(r.node.0),
+                    _ => used.push(r.node.0),
+                }
+            }
             let mut fresh: Vec<&NodeView> = vec![];
             for node in nodes {
                 match self.nodes.get(&node.id).copied().filter(|r| r.shard.0 == s) {
@@ -136,7 +190,10 @@ impl Assignment {
                 }
             }
             for node in fresh {
-                match (0..stride).find(|i| !used.contains(i)) {
+                let free = (0..stride)
+                    .find(|i| !used.contains(i) && !yielding.contains(i))
+                    .or_else(|| yielding.iter().copied().find(|i| !used.contains(i)));
+                match free {
                     Some(i) => {
                         used.push(i);
                         let r = NodeRef::new(s, i);
@@ -150,8 +207,22 @@ impl Assignment {
                 }
             }
         }
-        placed.extend(held);
-        self.last = placed.iter().map(|(_, n)| n.id.clone()).collect();
+        // A node held whose index a listed node took is no longer held.
+        let taken: HashSet<NodeRef> = placed.iter().map(|(r, _)| *r).collect();
+        held.retain(|(r, n, _)| {
+            let keep = !taken.contains(r);
+            if !keep {
+                tracing::info!(node = %n.id, port_index = ?r, "a node the view lists took the port of a node it does not list");
+                held_times.remove(&n.id);
+            }
+            keep
+        });
+        self.held = held_times;
+        placed.extend(held.into_iter().map(|(r, n, _)| (r, n)));
+        self.last = placed
+            .iter()
+            .map(|(_, n)| (n.id.clone(), n.as_ref().clone()))
+            .collect();
         (placed, skipped)
     }
 
@@ -189,6 +260,16 @@ mod tests {
     fn placed(a: &mut Assignment, shards: &[ShardView]) -> Vec<(String, NodeRef)> {
         let (p, _) = a.assign(None, shards);
         let mut v: Vec<_> = p.into_iter().map(|(r, n)| (n.id.clone(), r)).collect();
+        v.sort();
+        v
+    }
+
+    /// (id, index, primary), sorted.
+    fn roles<'a>(p: &'a [(NodeRef, Cow<'_, NodeView>)]) -> Vec<(&'a str, NodeRef, bool)> {
+        let mut v: Vec<_> = p
+            .iter()
+            .map(|(r, n)| (n.id.as_str(), *r, n.primary))
+            .collect();
         v.sort();
         v
     }
@@ -308,11 +389,7 @@ mod tests {
         alone.slots.clear();
         let midway = [stale, alone];
         let (p, skipped) = a.assign(ports, &midway);
-        let mut got: Vec<_> = p
-            .iter()
-            .map(|(r, n)| (n.id.as_str(), *r, n.primary))
-            .collect();
-        got.sort();
+        let got = roles(&p);
         assert_eq!(
             got,
             [
@@ -358,5 +435,35 @@ mod tests {
         let (p, _) = a.assign(ports, &now);
         let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, n)| (*r, n.primary));
         assert_eq!(j, Some((NodeRef::new(1, 0), true)));
+    }
+
+    #[test]
+    fn a_node_the_view_does_not_list_keeps_its_port_for_a_few_refreshes() {
+        let mut a = Assignment::default();
+        let ports = Some(3);
+        a.assign(
+            ports,
+            &[shard("s-a", 0, vec![node("a1", true), node("a2", false)])],
+        );
+        // a2 is not listed, a3 joins: a3 takes the free index, a2 keeps its own.
+        let without = [shard("s-a", 0, vec![node("a1", true), node("a3", false)])];
+        let (p, _) = a.assign(ports, &without);
+        let got = roles(&p);
+        assert_eq!(
+            got,
+            [
+                ("a1", NodeRef::new(0, 0), true),
+                ("a2", NodeRef::new(0, 1), false),
+                ("a3", NodeRef::new(0, 2), false),
+            ]
+        );
+        // Still not listed: held HOLD_REFRESHES refreshes in all, then gone.
+        let mut held = 1;
+        for _ in 0..HOLD_REFRESHES + 2 {
+            if placed(&mut a, &without).contains(&("a2".into(), NodeRef::new(0, 1))) {
+                held += 1;
+            }
+        }
+        assert_eq!(held, HOLD_REFRESHES);
     }
 }

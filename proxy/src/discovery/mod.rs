@@ -5,12 +5,16 @@
 //!   [`node_id`], which asks one node who it is (`CLUSTER MYID`).
 //! - [`views`]: several nodes' answers compared, and the one to route by chosen.
 //! - [`assignment`]: sticky (shard, node) indices across discoveries.
+//! - [`table`]: the route table of a view, each node at its port.
 //!
 //! The route sources that publish what discovery finds are [`crate::source::seed`] and the
 //! Kubernetes source (which knows each node's place from its pod, and asks the nodes only
 //! for their ids and roles).
 
 pub mod assignment;
+#[cfg(test)]
+mod fixtures;
+pub mod table;
 pub mod views;
 
 use std::net::SocketAddr;

@@ -7,19 +7,17 @@
 //! the announce mode of the design the nodes announce the proxy's own address; discovery then
 //! finds the proxy itself, which the publisher refuses: give such routes in a file.
 
-use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use shardgate_crds::PortLayout;
 use tokio_util::sync::CancellationToken;
 
 use super::{RoutePublisher, RouteSource};
 use crate::dial::{BackendTlsRx, Resolver};
+use crate::discovery::table::Table;
 use crate::discovery::{self, Assignment, DiscoveryError, Refusal};
 use crate::metrics::{Metrics, ReasonLabels};
-use crate::model::{Backend, Route, Routes};
+use crate::model::{Backend, Routes};
 
 /// Routes from seed nodes.
 pub struct SeedSource {
@@ -121,82 +119,13 @@ impl SeedSource {
             self.refused = choice.refused.clone();
             self.kept = choice.kept.clone();
         }
-        let shards = choice.shards;
-        let (placed, mut skipped) = self.assignment.assign(self.ports_per_shard, &shards);
-        let stride = self.assignment.stride().unwrap_or(1);
-        let shard_count = placed.iter().map(|(r, _)| r.shard.0 + 1).max().unwrap_or(1);
-        let layout = PortLayout::new(
-            u32::from(self.base_port),
-            shard_count,
-            stride - 1,
-            Some(stride),
-        )?;
-        // A primary serves its shard's slots.
-        let slots_of: HashMap<&str, &[(u16, u16)]> = shards
-            .iter()
-            .flat_map(|s| {
-                s.nodes
-                    .iter()
-                    .filter(|n| n.primary)
-                    .map(|n| (n.id.as_str(), s.slots.as_slice()))
-            })
-            .collect();
-        let mut routes: Routes = BTreeMap::new();
-        for (r, node) in placed {
-            // A node the others list without an address (`noaddr`: another node answered
-            // at its address, say one restarted empty) keeps the address it had.
-            let last = known
-                .values()
-                .find(|k| k.node_id.as_deref() == Some(node.id.as_str()))
-                .filter(|_| node.ip.is_empty());
-            let (backend, tls_backend) = match last {
-                Some(k) => (k.backend.clone(), k.tls_backend.clone()),
-                None => {
-                    let Some(port) = node.port.or(node.tls_port) else {
-                        skipped.push(format!("node {}: no port announced", node.id));
-                        continue;
-                    };
-                    let backend = match format!("{}:{port}", node.ip).parse::<Backend>() {
-                        Ok(b) if !node.ip.is_empty() => b,
-                        _ => {
-                            skipped.push(format!("node {}: no usable ip ({:?})", node.id, node.ip));
-                            continue;
-                        }
-                    };
-                    let tls_backend = match (node.port, node.tls_port) {
-                        (Some(_), Some(tls)) => format!("{}:{tls}", node.ip).parse().ok(),
-                        _ => None,
-                    };
-                    (backend, tls_backend)
-                }
-            };
-            let port = layout.port(r)?;
-            // The assignment gives each node its own index; were two on one, the second
-            // would silently take the first's port.
-            if let Some(first) = routes.get(&port) {
-                skipped.push(format!(
-                    "node {}: port {port} is already {:?}'s",
-                    node.id, first.node_id
-                ));
-                continue;
-            }
-            routes.insert(
-                port,
-                Arc::new(Route {
-                    node: r,
-                    backend,
-                    node_id: Some(node.id.clone()),
-                    hostname: node.hostname.clone(),
-                    rewrite: self.rewrite,
-                    primary: node.primary,
-                    tls_backend,
-                    slots: slots_of
-                        .get(node.id.as_str())
-                        .map(|s| s.to_vec())
-                        .unwrap_or_default(),
-                }),
-            );
-        }
+        let layout = discovery::table::Layout {
+            base_port: self.base_port,
+            ports_per_shard: self.ports_per_shard,
+            rewrite: self.rewrite,
+        };
+        let Table { routes, skipped } =
+            discovery::table::build(&mut self.assignment, layout, &choice.shards, known)?;
         Ok(Discovered {
             routes,
             skipped,
