@@ -6,17 +6,19 @@
 //! shard. A node still joining (a shard of its own without slots) waits for its place.
 //!
 //! Views of the cluster disagree for a moment: gossip reaches the nodes one by one, so the
-//! view chosen may be one that has not heard the news yet. A node placed last time that the
-//! view chosen shows somewhere it cannot be placed for good is held where it was, as a
-//! replica, for [`HOLD_REFRESHES`] refreshes in a row at most, instead of losing its port
-//! and getting it back (or another) a refresh later:
+//! view chosen may be one that has not heard the news yet. A node placed last time is held
+//! where it was, as a replica, for [`HOLD_REFRESHES`] refreshes in a row at most, instead of
+//! losing its port and getting it back (or another) a refresh later, when the view chosen
+//! shows it:
 //! - alone in a shard without slots (a join the answering node has not caught up with);
-//! - not at all (the node is still in the handshake there, or unknown to it);
-//! - as a replica of another shard it had a port in before (a `CLUSTER REPLICATE` that
-//!   not every node has heard of).
+//! - not at all, while another answer lists it (it is still in the handshake at the node
+//!   chosen, or unknown to it);
+//! - as a replica of another shard that has ports, while the answers disagree on its shard
+//!   (a `CLUSTER REPLICATE` that not every node has heard of).
 //!
 //! After that the view is believed: the node waits for its place like a new node, leaves the
-//! table, or moves to its new shard.
+//! table, or moves to its new shard. When every answer agrees, a node not listed leaves at
+//! once and a moved replica moves at once.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -41,8 +43,10 @@ impl Hold {
     fn describe(self) -> &'static str {
         match self {
             Hold::Alone => "the view chosen shows the node alone without slots",
-            Hold::Missing => "the view chosen does not list the node",
-            Hold::Moved => "the view chosen shows the node as a replica of another shard",
+            Hold::Missing => "the view chosen does not list the node, another answer does",
+            Hold::Moved => {
+                "the view chosen shows the node as a replica of another shard, not every answer does"
+            }
         }
     }
 }
@@ -60,12 +64,15 @@ pub struct Assignment {
 }
 
 impl Assignment {
-    /// Places every node; returns the placed nodes and what could not be placed. A node
-    /// held where it was (see the module docs) comes back as a replica.
+    /// Places every node of `shards` (the view chosen); returns the placed nodes and what
+    /// could not be placed. `disputed`: the nodes the answers disagree on
+    /// ([`super::Choice::disputed`]). A node held where it was (see the module docs) comes
+    /// back as a replica.
     pub fn assign<'a>(
         &mut self,
         ports_per_shard: Option<u32>,
         shards: &'a [ShardView],
+        disputed: &HashSet<String>,
     ) -> (Vec<(NodeRef, Cow<'a, NodeView>)>, Vec<String>) {
         let stride = *self.stride.get_or_insert_with(|| {
             ports_per_shard
@@ -107,17 +114,19 @@ impl Assignment {
             .collect();
         let mut was_placed: Vec<(&String, &NodeView)> = self.last.iter().collect();
         was_placed.sort_by_key(|(id, _)| *id);
-        let mut held: Vec<(NodeRef, Cow<'a, NodeView>, Hold)> = vec![];
+        let mut held: Vec<(NodeRef, Cow<'a, NodeView>, Hold, u32)> = vec![];
         let mut held_times: HashMap<String, u32> = HashMap::new();
         for (id, last_view) in was_placed {
             let Some(&r) = self.nodes.get(id) else {
                 continue;
             };
             let hold = match listed.get(id.as_str()) {
-                None => Hold::Missing,
+                None if disputed.contains(id) => Hold::Missing,
+                None => continue,
                 Some((s, _)) if unsettled.contains(&s.key()) => Hold::Alone,
                 Some((s, n))
                     if !n.primary
+                        && disputed.contains(id)
                         && self.shards.get(&s.key()).is_some_and(|&i| i != r.shard.0) =>
                 {
                     Hold::Moved
@@ -133,16 +142,6 @@ impl Assignment {
                 );
                 continue;
             }
-            // Said on every refresh it lasts: a few lines, and what explains a node that
-            // went on answering at its port as a replica.
-            tracing::info!(
-                node = %id,
-                port_index = ?r,
-                refresh = times + 1,
-                of = HOLD_REFRESHES,
-                "{}: kept where it was",
-                hold.describe()
-            );
             held_times.insert(id.clone(), times + 1);
             // The view's description if it has one (the node may have a new address), else
             // last time's.
@@ -150,9 +149,9 @@ impl Assignment {
                 .get(id.as_str())
                 .map_or_else(|| last_view.clone(), |(_, n)| (*n).clone());
             node.primary = false;
-            held.push((r, Cow::Owned(node), hold));
+            held.push((r, Cow::Owned(node), hold, times + 1));
         }
-        let held_ids: HashSet<String> = held.iter().map(|(_, n, _)| n.id.clone()).collect();
+        let held_ids: HashSet<String> = held.iter().map(|(_, n, ..)| n.id.clone()).collect();
         for shard in order {
             let key = shard.key();
             if unsettled.contains(&key) {
@@ -173,7 +172,7 @@ impl Assignment {
             // is the likeliest to be gone for good: a node the view lists may take its index.
             let mut used: Vec<u32> = vec![];
             let mut yielding: Vec<u32> = vec![];
-            for (r, _, hold) in held.iter().filter(|(r, _, _)| r.shard.0 == s) {
+            for (r, _, hold, _) in held.iter().filter(|(r, ..)| r.shard.0 == s) {
                 match hold {
                     Hold::Missing => yielding.push(r.node.0),
                     _ => used.push(r.node.0),
@@ -182,7 +181,7 @@ impl Assignment {
             let mut fresh: Vec<&NodeView> = vec![];
             for node in nodes {
                 match self.nodes.get(&node.id).copied().filter(|r| r.shard.0 == s) {
-                    Some(r) if !used.contains(&r.node.0) => {
+                    Some(r) if !used.contains(&r.node.0) && !yielding.contains(&r.node.0) => {
                         used.push(r.node.0);
                         placed.push((r, Cow::Borrowed(node)));
                     }
@@ -209,7 +208,7 @@ impl Assignment {
         }
         // A node held whose index a listed node took is no longer held.
         let taken: HashSet<NodeRef> = placed.iter().map(|(r, _)| *r).collect();
-        held.retain(|(r, n, _)| {
+        held.retain(|(r, n, ..)| {
             let keep = !taken.contains(r);
             if !keep {
                 tracing::info!(node = %n.id, port_index = ?r, "a node the view lists took the port of a node it does not list");
@@ -217,8 +216,17 @@ impl Assignment {
             }
             keep
         });
+        for (r, n, hold, times) in &held {
+            // The first refresh of a hold at info: what explains a node that went on
+            // answering at its port as a replica.
+            if *times == 1 {
+                tracing::info!(node = %n.id, port_index = ?r, for_at_most = HOLD_REFRESHES, "{}: kept where it was", hold.describe());
+            } else {
+                tracing::debug!(node = %n.id, port_index = ?r, refresh = times, of = HOLD_REFRESHES, "{}: kept where it was", hold.describe());
+            }
+        }
         self.held = held_times;
-        placed.extend(held.into_iter().map(|(r, n, _)| (r, n)));
+        placed.extend(held.into_iter().map(|(r, n, ..)| (r, n)));
         self.last = placed
             .iter()
             .map(|(_, n)| (n.id.clone(), n.as_ref().clone()))
@@ -258,10 +266,19 @@ mod tests {
     }
 
     fn placed(a: &mut Assignment, shards: &[ShardView]) -> Vec<(String, NodeRef)> {
-        let (p, _) = a.assign(None, shards);
+        let (p, _) = a.assign(None, shards, &agreed());
         let mut v: Vec<_> = p.into_iter().map(|(r, n)| (n.id.clone(), r)).collect();
         v.sort();
         v
+    }
+
+    /// Every answer agrees.
+    fn agreed() -> HashSet<String> {
+        HashSet::new()
+    }
+
+    fn disputed(ids: &[&str]) -> HashSet<String> {
+        ids.iter().map(|id| id.to_string()).collect()
     }
 
     /// (id, index, primary), sorted.
@@ -332,7 +349,7 @@ mod tests {
             0,
             vec![node("a1", true), node("a3", false), node("a4", false)],
         )];
-        let (p, skipped) = a.assign(None, &three);
+        let (p, skipped) = a.assign(None, &three, &agreed());
         assert_eq!(p.len(), 2);
         assert!(skipped[0].contains("a4"), "{skipped:?}");
         // a2 comes back while a3 holds its index: a2 is placed again, and not on a3's port.
@@ -341,7 +358,7 @@ mod tests {
             0,
             vec![node("a1", true), node("a3", false), node("a2", false)],
         )];
-        let (p, skipped) = a.assign(None, &back);
+        let (p, skipped) = a.assign(None, &back, &agreed());
         let refs: Vec<_> = p.iter().map(|(r, n)| (n.id.as_str(), *r)).collect();
         assert_eq!(
             refs,
@@ -355,18 +372,18 @@ mod tests {
         let mut a = Assignment::default();
         let ports = Some(3);
         let settled = shard("s-a", 0, vec![node("a1", true), node("a2", false)]);
-        a.assign(ports, std::slice::from_ref(&settled));
+        a.assign(ports, std::slice::from_ref(&settled), &agreed());
         // Met: a slotless shard of its own. No port yet.
         let mut joining = shard("s-new", 0, vec![node("j", true)]);
         joining.slots.clear();
         let both = [settled.clone(), joining];
-        let (p, skipped) = a.assign(ports, &both);
+        let (p, skipped) = a.assign(ports, &both, &agreed());
         assert!(p.iter().all(|(_, n)| n.id != "j") && skipped.is_empty());
         // A replica of shard 0 now: it takes the free index there, for good.
         let mut with_replica = settled.clone();
         with_replica.nodes.push(node("j", false));
         for _ in 0..2 {
-            let (p, _) = a.assign(ports, std::slice::from_ref(&with_replica));
+            let (p, _) = a.assign(ports, std::slice::from_ref(&with_replica), &agreed());
             let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, _)| *r);
             assert_eq!(j, Some(NodeRef::new(0, 2)));
         }
@@ -378,7 +395,7 @@ mod tests {
         let ports = Some(4);
         let mut settled = shard("s-a", 0, vec![node("a1", true), node("a2", false)]);
         settled.nodes.push(node("j", false));
-        let (p, _) = a.assign(ports, std::slice::from_ref(&settled));
+        let (p, _) = a.assign(ports, std::slice::from_ref(&settled), &agreed());
         let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, _)| *r);
         assert_eq!(j, Some(NodeRef::new(0, 2)));
         // The next answer chosen is from a node that still sees j alone, and that already
@@ -388,7 +405,7 @@ mod tests {
         let mut alone = shard("s-j", 0, vec![node("j", true)]);
         alone.slots.clear();
         let midway = [stale, alone];
-        let (p, skipped) = a.assign(ports, &midway);
+        let (p, skipped) = a.assign(ports, &midway, &agreed());
         let got = roles(&p);
         assert_eq!(
             got,
@@ -403,7 +420,7 @@ mod tests {
         assert!(skipped.is_empty(), "{skipped:?}");
         // The news arrives: nothing moves. (Had it not: see the next test.)
         settled.nodes.push(node("k", false));
-        let (p, _) = a.assign(ports, std::slice::from_ref(&settled));
+        let (p, _) = a.assign(ports, std::slice::from_ref(&settled), &agreed());
         let mut again: Vec<_> = p.iter().map(|(r, n)| (n.id.as_str(), *r)).collect();
         again.sort();
         let before: Vec<_> = got.iter().map(|(id, r, _)| (*id, *r)).collect();
@@ -417,13 +434,13 @@ mod tests {
         let ports = Some(3);
         let mut settled = shard("s-a", 0, vec![node("a1", true)]);
         settled.nodes.push(node("j", false));
-        a.assign(ports, std::slice::from_ref(&settled));
+        a.assign(ports, std::slice::from_ref(&settled), &agreed());
         let mut alone = shard("s-j", 0, vec![node("j", true)]);
         alone.slots.clear();
         let gone = [shard("s-a", 0, vec![node("a1", true)]), alone.clone()];
         let mut held_times = 0;
         for _ in 0..HOLD_REFRESHES + 3 {
-            let (p, _) = a.assign(ports, &gone);
+            let (p, _) = a.assign(ports, &gone, &agreed());
             if p.iter().any(|(_, n)| n.id == "j") {
                 held_times += 1;
             }
@@ -432,38 +449,81 @@ mod tests {
         // Its new shard gets slots: it is placed there, once.
         alone.slots = vec![(100, 200)];
         let now = [shard("s-a", 0, vec![node("a1", true)]), alone];
-        let (p, _) = a.assign(ports, &now);
+        let (p, _) = a.assign(ports, &now, &agreed());
         let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, n)| (*r, n.primary));
         assert_eq!(j, Some((NodeRef::new(1, 0), true)));
     }
 
     #[test]
-    fn a_node_the_view_does_not_list_keeps_its_port_for_a_few_refreshes() {
+    fn a_node_only_some_answers_list_keeps_its_port_for_a_few_refreshes() {
         let mut a = Assignment::default();
         let ports = Some(3);
-        a.assign(
-            ports,
-            &[shard("s-a", 0, vec![node("a1", true), node("a2", false)])],
-        );
-        // a2 is not listed, a3 joins: a3 takes the free index, a2 keeps its own.
+        let both = [shard("s-a", 0, vec![node("a1", true), node("a2", false)])];
+        a.assign(ports, &both, &agreed());
+        // The view chosen lacks a2, another answer lists it, and a3 joins: a3 takes the
+        // free index, a2 keeps its own.
         let without = [shard("s-a", 0, vec![node("a1", true), node("a3", false)])];
-        let (p, _) = a.assign(ports, &without);
-        let got = roles(&p);
+        let a2 = disputed(&["a2"]);
+        let (p, _) = a.assign(ports, &without, &a2);
         assert_eq!(
-            got,
+            roles(&p),
             [
                 ("a1", NodeRef::new(0, 0), true),
                 ("a2", NodeRef::new(0, 1), false),
                 ("a3", NodeRef::new(0, 2), false),
             ]
         );
-        // Still not listed: held HOLD_REFRESHES refreshes in all, then gone.
+        // Held HOLD_REFRESHES refreshes in a row in all, then gone.
         let mut held = 1;
         for _ in 0..HOLD_REFRESHES + 2 {
-            if placed(&mut a, &without).contains(&("a2".into(), NodeRef::new(0, 1))) {
+            let (p, _) = a.assign(ports, &without, &a2);
+            if roles(&p).contains(&("a2", NodeRef::new(0, 1), false)) {
                 held += 1;
             }
         }
         assert_eq!(held, HOLD_REFRESHES);
+    }
+
+    #[test]
+    fn a_node_no_answer_lists_leaves_at_once() {
+        let mut a = Assignment::default();
+        placed(
+            &mut a,
+            &[shard("s-a", 0, vec![node("a1", true), node("a2", false)])],
+        );
+        let got = placed(&mut a, &[shard("s-a", 0, vec![node("a1", true)])]);
+        assert_eq!(got, [("a1".to_string(), NodeRef::new(0, 0))]);
+    }
+
+    #[test]
+    fn a_node_coming_back_does_not_take_the_port_of_a_node_held() {
+        let mut a = Assignment::default();
+        let ports = Some(3);
+        let a1 = || node("a1", true);
+        a.assign(ports, &[shard("s-a", 0, vec![a1(), node("a2", false)])], &agreed());
+        // a2 leaves for good, and a3 takes its index.
+        a.assign(ports, &[shard("s-a", 0, vec![a1()])], &agreed());
+        a.assign(ports, &[shard("s-a", 0, vec![a1(), node("a3", false)])], &agreed());
+        // A view that lists a2 again and not a3, while another lists a3: a3 is held, and a2
+        // takes the free index, not a3's.
+        let back = [shard("s-a", 0, vec![a1(), node("a2", false)])];
+        let (p, _) = a.assign(ports, &back, &disputed(&["a2", "a3"]));
+        let got = roles(&p);
+        assert_eq!(
+            got,
+            [
+                ("a1", NodeRef::new(0, 0), true),
+                ("a2", NodeRef::new(0, 2), false),
+                ("a3", NodeRef::new(0, 1), false),
+            ]
+        );
+        // Every answer lists all three: nothing moves.
+        let all = [shard(
+            "s-a",
+            0,
+            vec![a1(), node("a2", false), node("a3", false)],
+        )];
+        let (p, _) = a.assign(ports, &all, &agreed());
+        assert_eq!(roles(&p), got);
     }
 }

@@ -4,10 +4,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use shardgate_admin_client::ShardView;
 use shardgate_crds::PortLayout;
 
-use super::{Assignment, DiscoveryError};
+use super::{Assignment, Choice, DiscoveryError};
 use crate::model::{Backend, Route, Routes};
 
 /// How the seed source lays its nodes out on ports.
@@ -27,15 +26,17 @@ pub struct Table {
     pub skipped: Vec<String>,
 }
 
-/// Places `shards` (the view chosen) with `assignment` and builds their routes. `known` is
+/// Places the nodes of the view chosen with `assignment` and builds their routes. `known` is
 /// the table in force: a node listed without an address keeps the one it had there.
 pub fn build(
     assignment: &mut Assignment,
     layout: Layout,
-    shards: &[ShardView],
+    choice: &Choice,
     known: &Routes,
 ) -> Result<Table, DiscoveryError> {
-    let (placed, mut skipped) = assignment.assign(layout.ports_per_shard, shards);
+    let shards = choice.shards.as_slice();
+    let (placed, mut skipped) =
+        assignment.assign(layout.ports_per_shard, shards, &choice.disputed);
     let stride = assignment.stride().unwrap_or(1);
     let shard_count = placed.iter().map(|(r, _)| r.shard.0 + 1).max().unwrap_or(1);
     let ports = PortLayout::new(
@@ -187,7 +188,7 @@ mod tests {
         answers: Vec<Answer>,
     ) -> Vec<(u16, String, bool)> {
         let choice = views::choose(answers).expect("a usable view");
-        let table = build(a, LAYOUT, &choice.shards, known).expect("a table");
+        let table = build(a, LAYOUT, &choice, known).expect("a table");
         assert!(table.skipped.is_empty(), "{:?}", table.skipped);
         *known = table.routes;
         known
@@ -279,12 +280,7 @@ mod tests {
             let got = refresh(&mut a, &mut known, three([first, !first, false]));
             assert_eq!(got, before, "disagreeing refresh {step}");
         }
-        // ...then the news everywhere: held for HOLD_REFRESHES refreshes, then moved once,
-        // to sa's first free index.
-        for step in 0..HOLD_REFRESHES {
-            let got = refresh(&mut a, &mut known, three([true; 3]));
-            assert_eq!(got, before, "agreeing refresh {step}");
-        }
+        // ...then the news everywhere: it moves at once, to sa's first free index.
         let after = table(&[
             (30000, A1, true),
             (30001, A2, false),
@@ -298,5 +294,19 @@ mod tests {
             after
         );
         assert_eq!(refresh(&mut a, &mut known, three([true; 3])), after);
+        // Stale views chosen for longer than HOLD_REFRESHES refreshes in a row are believed.
+        for step in 0..HOLD_REFRESHES {
+            let got = refresh(&mut a, &mut known, three([false, true, true]));
+            assert_eq!(got, after, "stale refresh {step}");
+        }
+        assert_eq!(
+            refresh(&mut a, &mut known, three([false, true, true])),
+            table(&[
+                (30000, A1, true),
+                (30001, A2, false),
+                (30004, B1, true),
+                (30005, B2, false),
+            ])
+        );
     }
 }

@@ -10,7 +10,8 @@
 //! [`choose`] refuses the answers that cover no slot, and those in `cluster_state:fail` when
 //! another is `ok`, and keeps the one whose slots are owned with the highest config epochs
 //! (the newest news of failovers and migrations). A node that a majority of the answers
-//! report is kept even when the chosen answer does not list it.
+//! report is kept even when the chosen answer does not list it; the nodes the answers
+//! disagree on are named ([`Choice::disputed`]).
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -74,6 +75,11 @@ pub struct Choice {
     pub refused: Vec<(SocketAddr, Refusal)>,
     /// Nodes added because a majority reported them and the chosen answer did not.
     pub kept: Vec<String>,
+    /// Nodes the usable answers disagree on: listed by some and not by others, or in
+    /// different shards. The news of a join or a move that has not reached every node yet:
+    /// the assignment keeps such a node where it was for a while rather than believe the
+    /// answer chosen at once.
+    pub disputed: HashSet<String>,
 }
 
 /// Failed according to `CLUSTER SHARDS` (`health failed`) or `CLUSTER NODES` (`fail`).
@@ -250,6 +256,7 @@ pub fn choose(mut answers: Vec<Answer>) -> Option<Choice> {
         }
     }
     let usable: Vec<&Answer> = usable.into_iter().map(|(a, _)| a).collect();
+    let disputed = disputed(&usable);
     let mut shards = best.shards.clone();
     let listed: HashSet<String> = shards
         .iter()
@@ -289,7 +296,32 @@ pub fn choose(mut answers: Vec<Answer>) -> Option<Choice> {
         chosen: best.addr,
         refused,
         kept,
+        disputed,
     })
+}
+
+/// The nodes that `answers` do not all list, or list in different shards.
+fn disputed(answers: &[&Answer]) -> HashSet<String> {
+    let placed: Vec<HashMap<&str, String>> = answers
+        .iter()
+        .map(|a| {
+            a.shards
+                .iter()
+                .flat_map(|s| {
+                    let key = s.key();
+                    s.nodes.iter().map(move |n| (n.id.as_str(), key.clone()))
+                })
+                .collect()
+        })
+        .collect();
+    let mut disputed = HashSet::new();
+    for id in placed.iter().flat_map(|m| m.keys()) {
+        let first = placed[0].get(id);
+        if placed.iter().any(|m| m.get(id) != first) {
+            disputed.insert(id.to_string());
+        }
+    }
+    disputed
 }
 
 #[cfg(test)]
@@ -502,5 +534,24 @@ mod tests {
             ids(&c.shards)[0],
             vec![(A1.to_string(), true), (A2.to_string(), false)]
         );
+    }
+
+    #[test]
+    fn the_nodes_the_answers_disagree_on_are_named() {
+        let agreed = choose(vec![healthy(A1, 1), healthy(B1, 3)]).unwrap();
+        assert!(agreed.disputed.is_empty(), "{:?}", agreed.disputed);
+        // The first still has B2 in the handshake; the second has A2 moved to sb.
+        let mut first = healthy(A1, 1);
+        if let Some(l) = first.nodes.iter_mut().find(|l| l.id == B2) {
+            l.flags.push("handshake".into());
+        }
+        let mut second = healthy(B1, 3);
+        let a2 = second.shards[0].nodes.remove(1);
+        second.shards[1].nodes.push(a2);
+        second.nodes[1] = replica_line(A2, B1, 2);
+        let c = choose(vec![first, second]).unwrap();
+        let mut got: Vec<String> = c.disputed.into_iter().collect();
+        got.sort();
+        assert_eq!(got, [A2, B2]);
     }
 }

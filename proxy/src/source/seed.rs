@@ -125,7 +125,7 @@ impl SeedSource {
             rewrite: self.rewrite,
         };
         let Table { routes, skipped } =
-            discovery::table::build(&mut self.assignment, layout, &choice.shards, known)?;
+            discovery::table::build(&mut self.assignment, layout, &choice, known)?;
         Ok(Discovered {
             routes,
             skipped,

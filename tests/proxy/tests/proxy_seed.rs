@@ -571,11 +571,7 @@ async fn a_joining_node_gets_one_port_once() {
     proxy.shutdown().await;
     let tables = recorded(seen).await;
     let (ports_of_new, present) = ports_over(&tables, &id);
-    // Nobody else ever moved.
-    for node in cluster.nodes() {
-        let (ports, _) = ports_over(&tables, &node.node_id);
-        assert_eq!(ports, [layout.port(node.pos).unwrap()], "{}", node.node_id);
-    }
+    assert_never_moved(&tables, &cluster, &layout, None);
     assert_eq!(
         ports_of_new,
         [port],
@@ -655,14 +651,27 @@ async fn a_replica_moved_to_another_shard_changes_port_once() {
     assert_eq!(block_in_place(|| myid_through(port)), moved.node_id);
     proxy.shutdown().await;
     let tables = recorded(seen).await;
-    let (ports, present) = ports_over(&tables, &moved.node_id);
+    let (ports, _) = ports_over(&tables, &moved.node_id);
     assert_eq!(
         ports,
         [layout.port(moved.pos).unwrap(), port],
         "the moved replica's ports, in order"
     );
-    assert!(present.iter().all(|p| *p), "it left the table: {present:?}");
-    // Its old port went once it moved: no table has it at both, and none goes back.
+    // In every table, at one port.
+    let routed: Vec<usize> = tables
+        .iter()
+        .map(|t| {
+            t.routes
+                .values()
+                .filter(|r| r.node_id.as_deref() == Some(moved.node_id.as_str()))
+                .count()
+        })
+        .collect();
+    assert!(
+        routed.iter().all(|n| *n == 1),
+        "routed at two ports: {routed:?}"
+    );
+    // Once at its new port, it stays there.
     let at_new: Vec<bool> = tables
         .iter()
         .map(|t| {
@@ -675,9 +684,20 @@ async fn a_replica_moved_to_another_shard_changes_port_once() {
         at_new[first..].iter().all(|n| *n),
         "it moved back: {at_new:?}"
     );
-    for node in cluster.nodes().iter().filter(|n| n.pos != moved.pos) {
-        let (ports, _) = ports_over(&tables, &node.node_id);
+    assert_never_moved(&tables, &cluster, &layout, Some(moved.pos));
+}
+
+/// Every node of `cluster` but `except` is in every table, at its own port only.
+fn assert_never_moved(
+    tables: &[Arc<Snapshot>],
+    cluster: &ValkeyCluster,
+    layout: &PortLayout,
+    except: Option<NodeRef>,
+) {
+    for node in cluster.nodes().iter().filter(|n| Some(n.pos) != except) {
+        let (ports, present) = ports_over(tables, &node.node_id);
         assert_eq!(ports, [layout.port(node.pos).unwrap()], "{}", node.node_id);
+        assert!(present.iter().all(|p| *p), "{}: {present:?}", node.node_id);
     }
 }
 
