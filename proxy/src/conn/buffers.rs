@@ -147,9 +147,10 @@ impl Source for tcp::ReadHalf<'_> {
 /// system call. The readiness cleared is the one seen before the read, so an event that
 /// came during it is kept.
 ///
-/// The read is rustix's `recv`, on Linux the system call itself: libc's is a thread
-/// cancellation point, wrapped in two calls that switch cancellation on and off (about 30
-/// instructions per read, which this thread never needs).
+/// The read is rustix's `recv`: where rustix calls the kernel itself (Linux on the common
+/// architectures) the system call; libc's is a thread cancellation point, wrapped in two
+/// calls that switch cancellation on and off (about 30 instructions per read, which this
+/// thread never needs). Elsewhere rustix calls libc's, as tokio does.
 #[inline(always)]
 fn read_now(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     let mut got = None;

@@ -27,17 +27,19 @@ pub trait Sink: AsyncWrite + Unpin + Send {
     }
 }
 
-/// `send` on `stream` with no SIGPIPE on a closed peer: EPIPE comes back as an error, as
-/// with tokio's own writes. On Linux, rustix's `send` is the system call itself; libc's is
-/// a thread cancellation point, wrapped in two calls that switch cancellation on and off
-/// (about 30 instructions per write, which this thread never needs).
-#[cfg(any(target_os = "linux", target_os = "android"))]
+/// `send` on `stream` with no SIGPIPE on a closed peer (`MSG_NOSIGNAL`): EPIPE comes back as
+/// an error, as with tokio's own writes. Where rustix calls the kernel itself (Linux on the
+/// common architectures) this is the system call; libc's `send` is a thread cancellation
+/// point, wrapped in two calls that switch cancellation on and off (about 30 instructions
+/// per write, which this thread never needs).
+#[cfg(all(unix, not(target_vendor = "apple")))]
 fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
     Ok(rustix::net::send(stream, bytes, rustix::net::SendFlags::NOSIGNAL)?)
 }
 
-/// (Rust binaries ignore SIGPIPE anyway where there is no flag.)
-#[cfg(not(any(target_os = "linux", target_os = "android")))]
+/// Apple systems have no `MSG_NOSIGNAL`; their sockets are made with `SO_NOSIGPIPE` (socket2
+/// and mio set it, and accepted sockets inherit it).
+#[cfg(not(all(unix, not(target_vendor = "apple"))))]
 fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
     socket2::SockRef::from(stream).send(bytes)
 }
