@@ -238,16 +238,73 @@ pub fn as_plain(vc: &ValkeyCluster) -> ValkeyCluster {
 /// What keeps the proxy from using `proxy.clientSecretName`'s Secret `name`, if anything:
 /// without it the kubelet starts no proxy pod, and a proxy that cannot load it does not
 /// start. Read by name, as `spec.tls`'s is, and said in status rather than left to the
-/// pods' events.
-pub async fn client_secret_problem(ctx: &Context, ns: &str, name: &str) -> Result<Option<String>> {
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), ns)
-        .get_opt(name)
-        .await?;
-    let why = match secret {
+/// pods' events. Where the nodes check client certificates (`tls-auth-clients` is not
+/// `no`), its certificate must be one of the cluster's CA for client use: otherwise every
+/// handshake with a node fails, and only the proxy's log would say why.
+pub async fn client_secret_problem(
+    ctx: &Context,
+    vc: &ValkeyCluster,
+    ns: &str,
+    name: &str,
+) -> Result<Option<String>> {
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
+    let why = match secrets.get_opt(name).await? {
         None => Some(format!("not found in namespace {ns}")),
-        Some(secret) => identity_problem(&secret),
+        Some(secret) => match (identity_problem(&secret), &vc.spec.tls) {
+            (Some(why), _) => Some(why),
+            (None, Some(tls)) if clients_checked(vc) => {
+                // The cluster's Secret missing or broken is said already (the operator
+                // cannot dial the nodes).
+                let cluster = secrets.get_opt(&tls.secret_name).await?;
+                let ca = cluster.as_ref().and_then(|s| secret_key(s, CA, CA).ok());
+                ca.and_then(|ca| chain_problem(&secret, ca, &tls.secret_name))
+            }
+            (None, _) => None,
+        },
     };
     Ok(why.map(|why| format!("externalAccess.proxy.clientSecretName: Secret {name} {why}")))
+}
+
+/// Whether the nodes check the certificate a client shows: `tls-auth-clients` is `yes`
+/// (Valkey's default) or `optional` (a certificate shown must pass).
+fn clients_checked(vc: &ValkeyCluster) -> bool {
+    !vc.spec.config.iter().any(|(k, v)| {
+        k.eq_ignore_ascii_case("tls-auth-clients") && v.trim().eq_ignore_ascii_case("no")
+    })
+}
+
+/// Why `secret`'s certificate would not pass the nodes' check of a client (signed by the
+/// CA `ca`, of the Secret `ca_secret`; in force; for client use), if it would not. The
+/// check is rustls's for client certificates, as the nodes' OpenSSL makes it.
+fn chain_problem(secret: &Secret, ca: &[u8], ca_secret: &str) -> Option<String> {
+    use rustls::pki_types::UnixTime;
+    use shardgate_admin_client::pem::certificates;
+
+    let checked = || -> std::result::Result<(), String> {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certificates(ca).map_err(|e| format!("{CA}: {e}"))? {
+            roots.add(c).map_err(|e| format!("{CA}: {e}"))?;
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                .build()
+                .map_err(|e| e.to_string())?;
+        let chain = certificates(secret_key(secret, CERT, CERT)?).map_err(|e| e.to_string())?;
+        let Some((leaf, intermediates)) = chain.split_first() else {
+            return Err("no certificate".into());
+        };
+        verifier
+            .verify_client_cert(leaf, intermediates, UnixTime::now())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    checked().err().map(|e| {
+        format!(
+            "has a {CERT} the nodes would refuse: not a client certificate of Secret \
+             {ca_secret}'s {CA} ({e})"
+        )
+    })
 }
 
 /// Why a Secret's `tls.crt` and `tls.key` are not a certificate and its key, if they are
@@ -329,6 +386,62 @@ mod tests {
         let no_key = secret(&[(CERT, &app.cert_pem), (KEY, &app.cert_pem)]);
         let why = identity_problem(&no_key).unwrap();
         assert!(why.starts_with("tls.key: no PRIVATE KEY block"), "{why}");
+    }
+
+    /// The proxy's certificate passes the nodes' check only when the cluster's CA signed it,
+    /// for client use, and it is in force; unless the nodes do not check.
+    #[test]
+    fn a_client_certificate_must_be_the_clusters_for_client_use() {
+        use shardgate_harness::tls::{CertPair, TestPki};
+        let pki = TestPki::new("vc.test").unwrap();
+        let other = TestPki::new("other.test").unwrap();
+        let secret = |pair: &CertPair| Secret {
+            data: Some(
+                [(CERT, &pair.cert_pem), (KEY, &pair.key_pem)]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                    .collect(),
+            ),
+            ..Secret::default()
+        };
+        let ca = pki.ca_pem.as_bytes();
+        let problem = |pair: CertPair| chain_problem(&secret(&pair), ca, "vc-tls");
+        assert_eq!(problem(pki.client_cert("app", "app").unwrap()), None);
+        assert_eq!(
+            problem(pki.node_cert("node", &["vc.test".into()]).unwrap()),
+            None
+        );
+        let refused = [
+            (other.client_cert("app", "app").unwrap(), "UnknownIssuer"),
+            (
+                pki.server_cert("server", &["vc.test".into()], false)
+                    .unwrap(),
+                "does not allow extended key usage for client authentication",
+            ),
+            (
+                pki.expired_client_cert("old", "app").unwrap(),
+                "certificate expired",
+            ),
+        ];
+        for (pair, why) in refused {
+            let got = problem(pair).unwrap_or_default();
+            assert!(
+                got.starts_with(
+                    "has a tls.crt the nodes would refuse: not a client certificate of \
+                     Secret vc-tls's ca.crt ("
+                ) && got.contains(why),
+                "{why}: {got}"
+            );
+        }
+        let unchecked = ValkeyCluster::test("vc")
+            .tls("vc-tls")
+            .config("TLS-Auth-Clients", "no");
+        assert!(!clients_checked(&unchecked));
+        let optional = ValkeyCluster::test("vc")
+            .tls("vc-tls")
+            .config("tls-auth-clients", "optional");
+        assert!(clients_checked(&optional));
+        assert!(clients_checked(&ValkeyCluster::test("vc").tls("vc-tls")));
     }
 
     /// Node pods without the Secret's volume are on plain RESP; the proxy's pods (no shard

@@ -390,7 +390,7 @@ pub async fn apply_proxy(vc: &ValkeyCluster, ctx: &Context) -> Result<Option<Exp
     let objects = desired(vc, ea, proxy, &ctx.proxy_image, host.as_deref())?;
     let mut problems = vec![];
     if let (Some(_), Some(client)) = (&vc.spec.tls, &proxy.client_secret_name) {
-        problems.extend(crate::tls::client_secret_problem(ctx, &ns, client).await?);
+        problems.extend(crate::tls::client_secret_problem(ctx, vc, &ns, client).await?);
     }
     apply_one(ctx, &ns, &objects.service_account).await?;
     apply_one(ctx, &ns, &objects.role).await?;

@@ -148,9 +148,22 @@ impl TestPki {
 
     /// A client certificate (mTLS) with common name `cn`.
     pub fn client_cert(&self, stem: &str, cn: &str) -> Result<CertPair> {
+        self.client_leaf(stem, cn, false)
+    }
+
+    /// A client certificate with common name `cn`, valid in 2000 only.
+    pub fn expired_client_cert(&self, stem: &str, cn: &str) -> Result<CertPair> {
+        self.client_leaf(stem, cn, true)
+    }
+
+    fn client_leaf(&self, stem: &str, cn: &str, expired: bool) -> Result<CertPair> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.distinguished_name.push(DnType::CommonName, cn);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        if expired {
+            params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+            params.not_after = rcgen::date_time_ymd(2000, 12, 31);
+        }
         self.sign(stem, params)
     }
 

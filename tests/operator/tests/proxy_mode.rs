@@ -399,16 +399,31 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     // The proxy's own client certificate (of the cluster's CA) is not there yet: status
     // says so, rather than only that no proxy pod is ready.
     let api = Api::<ValkeyCluster>::namespaced(client.clone(), ns);
-    eventually("status naming the missing client Secret", FORM, || async {
-        let vc = api.get("vc").await?;
-        let ready = condition(&vc, "ExternalAccessReady");
-        ensure!(
-            ready.as_ref().is_some_and(|(s, _, m)| s == "False"
-                && m.contains("proxy.clientSecretName: Secret vc-proxy-client not found")),
-            "ExternalAccessReady: {ready:?}"
-        );
-        Ok(())
-    })
+    let not_ready_because = |what: &'static str| {
+        let api = api.clone();
+        eventually(what, FORM, move || {
+            let api = api.clone();
+            async move {
+                let vc = api.get("vc").await?;
+                let ready = condition(&vc, "ExternalAccessReady");
+                ensure!(
+                    ready
+                        .as_ref()
+                        .is_some_and(|(s, _, m)| s == "False" && m.contains(what)),
+                    "ExternalAccessReady: {ready:?}"
+                );
+                Ok(())
+            }
+        })
+    };
+    not_ready_because("proxy.clientSecretName: Secret vc-proxy-client not found").await?;
+    // A certificate of another CA: the nodes would refuse it, and status says so.
+    let stranger = shardgate_operator_e2e::tls::ClusterTls::new()?.app;
+    tls_secret(client, ns, "vc-proxy-client", &stranger).await?;
+    not_ready_because(
+        "Secret vc-proxy-client has a tls.crt the nodes would refuse: not a client \
+         certificate of Secret vc-tls's ca.crt",
+    )
     .await?;
     tls_secret(client, ns, "vc-proxy-client", &tls.app).await?;
     let vc = wait_external_ready(client, ns, "vc").await?;
@@ -491,14 +506,18 @@ async fn tls_secret(
     name: &str,
     pair: &shardgate_harness::tls::CertPair,
 ) -> Result<()> {
+    // Applied: made, or its keys replaced (as a renewal does).
     Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
-        .create(
-            &kube::api::PostParams::default(),
-            &serde_json::from_value(json!({
+        .patch(
+            name,
+            &kube::api::PatchParams::apply("e2e").force(),
+            &kube::api::Patch::Apply(json!({
+                "apiVersion": "v1",
+                "kind": "Secret",
                 "metadata": { "name": name },
                 "type": "kubernetes.io/tls",
                 "stringData": { "tls.crt": pair.cert_pem, "tls.key": pair.key_pem },
-            }))?,
+            })),
         )
         .await?;
     Ok(())
