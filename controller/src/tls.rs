@@ -266,45 +266,93 @@ pub async fn client_secret_problem(
 }
 
 /// Whether the nodes check the certificate a client shows: `tls-auth-clients` is `yes`
-/// (Valkey's default) or `optional` (a certificate shown must pass).
+/// (Valkey's default) or `optional` (a certificate shown must pass). Read as the nodes read
+/// `config` (`configmap::render`): the name in any case, the last such key in map order,
+/// the value unquoted.
 fn clients_checked(vc: &ValkeyCluster) -> bool {
-    !vc.spec.config.iter().any(|(k, v)| {
-        k.eq_ignore_ascii_case("tls-auth-clients") && v.trim().eq_ignore_ascii_case("no")
-    })
+    let value = vc
+        .spec
+        .config
+        .iter()
+        .rev()
+        .find(|(k, _)| k.eq_ignore_ascii_case("tls-auth-clients"))
+        .map(|(_, v)| v.trim());
+    let unquoted = value.map(|v| {
+        ['"', '\'']
+            .iter()
+            .find_map(|q| v.strip_prefix(*q).and_then(|v| v.strip_suffix(*q)))
+            .unwrap_or(v)
+    });
+    !unquoted.is_some_and(|v| v.eq_ignore_ascii_case("no"))
 }
+
+/// How far ahead a certificate that is not valid yet is looked at again: a renewed one
+/// starts "now" by the issuer's clock, which may be ahead of this one's.
+const CLOCK_SKEW: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Why `secret`'s certificate would not pass the nodes' check of a client (signed by the
 /// CA `ca`, of the Secret `ca_secret`; in force; for client use), if it would not. The
-/// check is rustls's for client certificates, as the nodes' OpenSSL makes it.
+/// check is rustls's for client certificates. Only what the nodes' OpenSSL refuses too is
+/// said (another CA, a bad signature, out of its dates, not for client use): rustls is
+/// stricter in other ways (v1 certificates, unknown critical extensions, some signature
+/// algorithms), and saying so would hold back a working cluster's status. Those are
+/// logged at debug.
 fn chain_problem(secret: &Secret, ca: &[u8], ca_secret: &str) -> Option<String> {
     use rustls::pki_types::UnixTime;
+    use rustls::CertificateError as E;
     use shardgate_admin_client::pem::certificates;
 
-    let checked = || -> std::result::Result<(), String> {
+    let verify = |at: UnixTime| -> std::result::Result<(), rustls::Error> {
+        let other = |e: String| rustls::Error::General(e);
         let mut roots = rustls::RootCertStore::empty();
-        for c in certificates(ca).map_err(|e| format!("{CA}: {e}"))? {
-            roots.add(c).map_err(|e| format!("{CA}: {e}"))?;
+        for c in certificates(ca).map_err(|e| other(format!("{CA}: {e}")))? {
+            roots.add(c)?;
         }
         let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
         let verifier =
             rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
                 .build()
-                .map_err(|e| e.to_string())?;
-        let chain = certificates(secret_key(secret, CERT, CERT)?).map_err(|e| e.to_string())?;
+                .map_err(|e| other(e.to_string()))?;
+        let cert = secret_key(secret, CERT, CERT).map_err(other)?;
+        let chain = certificates(cert).map_err(|e| other(e.to_string()))?;
         let Some((leaf, intermediates)) = chain.split_first() else {
-            return Err("no certificate".into());
+            return Err(other("no certificate".into()));
         };
         verifier
-            .verify_client_cert(leaf, intermediates, UnixTime::now())
+            .verify_client_cert(leaf, intermediates, at)
             .map(|_| ())
-            .map_err(|e| e.to_string())
     };
-    checked().err().map(|e| {
-        format!(
+    let now = UnixTime::now();
+    let refused = match verify(now) {
+        Ok(()) => return None,
+        Err(rustls::Error::InvalidCertificate(E::NotValidYet | E::NotValidYetContext { .. })) => {
+            let later = std::time::Duration::from_secs(now.as_secs()) + CLOCK_SKEW;
+            verify(UnixTime::since_unix_epoch(later)).err()?
+        }
+        Err(e) => e,
+    };
+    match &refused {
+        rustls::Error::InvalidCertificate(
+            E::UnknownIssuer
+            | E::BadSignature
+            | E::Expired
+            | E::ExpiredContext { .. }
+            | E::NotValidYet
+            | E::NotValidYetContext { .. }
+            | E::InvalidPurpose
+            | E::InvalidPurposeContext { .. },
+        ) => Some(format!(
             "has a {CERT} the nodes would refuse: not a client certificate of Secret \
-             {ca_secret}'s {CA} ({e})"
-        )
-    })
+             {ca_secret}'s {CA} ({refused})"
+        )),
+        _ => {
+            tracing::debug!(
+                ca_secret,
+                "the proxy's client certificate: not checked against the CA ({refused})"
+            );
+            None
+        }
+    }
 }
 
 /// Why a Secret's `tls.crt` and `tls.key` are not a certificate and its key, if they are
@@ -411,6 +459,9 @@ mod tests {
             problem(pki.node_cert("node", &["vc.test".into()]).unwrap()),
             None
         );
+        // No extended key usage at all: any use, for the nodes too.
+        let any_use = pki.client_cert_with("any", "app", false, None).unwrap();
+        assert_eq!(problem(any_use), None);
         let refused = [
             (other.client_cert("app", "app").unwrap(), "UnknownIssuer"),
             (
@@ -419,8 +470,14 @@ mod tests {
                 "does not allow extended key usage for client authentication",
             ),
             (
-                pki.expired_client_cert("old", "app").unwrap(),
+                pki.client_cert_with("old", "app", true, Some((2000, 2000)))
+                    .unwrap(),
                 "certificate expired",
+            ),
+            (
+                pki.client_cert_with("early", "app", true, Some((2100, 2101)))
+                    .unwrap(),
+                "not valid yet",
             ),
         ];
         for (pair, why) in refused {
@@ -441,6 +498,10 @@ mod tests {
             .tls("vc-tls")
             .config("tls-auth-clients", "optional");
         assert!(clients_checked(&optional));
+        let quoted = ValkeyCluster::test("vc")
+            .tls("vc-tls")
+            .config("tls-auth-clients", " 'No' ");
+        assert!(!clients_checked(&quoted));
         assert!(clients_checked(&ValkeyCluster::test("vc").tls("vc-tls")));
     }
 

@@ -148,21 +148,27 @@ impl TestPki {
 
     /// A client certificate (mTLS) with common name `cn`.
     pub fn client_cert(&self, stem: &str, cn: &str) -> Result<CertPair> {
-        self.client_leaf(stem, cn, false)
+        self.client_cert_with(stem, cn, true, None)
     }
 
-    /// A client certificate with common name `cn`, valid in 2000 only.
-    pub fn expired_client_cert(&self, stem: &str, cn: &str) -> Result<CertPair> {
-        self.client_leaf(stem, cn, true)
-    }
-
-    fn client_leaf(&self, stem: &str, cn: &str, expired: bool) -> Result<CertPair> {
+    /// A certificate with common name `cn` and no names: for client use only (`client_use`)
+    /// or with no extended key usage at all; valid from the start of one year to the end of
+    /// another (`years`), or from now on.
+    pub fn client_cert_with(
+        &self,
+        stem: &str,
+        cn: &str,
+        client_use: bool,
+        years: Option<(i32, i32)>,
+    ) -> Result<CertPair> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.distinguished_name.push(DnType::CommonName, cn);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        if expired {
-            params.not_before = rcgen::date_time_ymd(2000, 1, 1);
-            params.not_after = rcgen::date_time_ymd(2000, 12, 31);
+        if client_use {
+            params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        }
+        if let Some((from, to)) = years {
+            params.not_before = rcgen::date_time_ymd(from, 1, 1);
+            params.not_after = rcgen::date_time_ymd(to, 12, 31);
         }
         self.sign(stem, params)
     }

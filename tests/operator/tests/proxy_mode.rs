@@ -429,12 +429,23 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     let vc = wait_external_ready(client, ns, "vc").await?;
     let status = vc.status.clone().context("status")?;
     let ingress = status.external_endpoints[0].host.clone();
+    // A proxy pod may have started with the refused certificate: its legs work once it
+    // has read the new one (a Secret renewed in place). From then on, no leg fails.
+    let seed = bootstrap_seeds(&vc)?[0];
+    eventually("a TLS leg through the proxy", FORM, || async {
+        Admin::connect(seed, Timeouts::default())
+            .await?
+            .cluster_myid()
+            .await?;
+        Ok(())
+    })
+    .await?;
+    let (failed_before, _) = backend_tls_errors(client, ns).await?;
 
     // The node ports, in plain: a cluster client writes and reads over every slot, and the
     // topology (SLOTS, NODES, SHARDS: a TLS-only node's `tls-port` becomes the listener's
     // `port`) names only the load balancer.
     only_external_addresses(client, ns, "vc", &status, 2_000).await?;
-    let seed = bootstrap_seeds(&vc)?[0];
     tokio::task::spawn_blocking(move || redis_cli_set_get(seed, 2_000)).await??;
 
     // The nodes refuse plain RESP: the proxy's legs are TLS.
@@ -469,6 +480,22 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     );
     sni_redirect(&ca, &ingress, sni_port, domain, "tls-nodes").await?;
     // No TLS leg failed on the way (the proxy's metrics, at its pod).
+    let (failed, metrics) = backend_tls_errors(client, ns).await?;
+    ensure!(
+        failed == failed_before,
+        "TLS legs failed: {failed_before} before, {failed} after"
+    );
+    ensure!(
+        metrics.contains("shardgate_proxy_bytes_total"),
+        "not the proxy's metrics: {metrics}"
+    );
+    operator.stop().await;
+    Ok(())
+}
+
+/// The proxy pod's failed TLS legs to nodes (a refusal shows as `tls`, or `io` when TLS
+/// 1.3 reports it on the first read), and its metrics.
+async fn backend_tls_errors(client: &kube::Client, ns: &str) -> Result<(f64, String)> {
     let proxy_pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
         .list(&kube::api::ListParams::default().labels("shardgate.io/component=proxy"))
         .await?;
@@ -482,21 +509,15 @@ async fn tls_nodes(env: TestEnv) -> Result<()> {
     })
     .await??
     .1;
-    // A refusal shows as `tls`, or `io` when TLS 1.3 reports it on the first read.
-    let tls_errors: Vec<&str> = metrics
+    let failed = metrics
         .lines()
         .filter(|l| {
             l.starts_with("shardgate_proxy_backend_errors_total")
                 && (l.contains("kind=\"tls\"") || l.contains("kind=\"io\""))
         })
-        .collect();
-    ensure!(tls_errors.is_empty(), "TLS legs failed: {tls_errors:?}");
-    ensure!(
-        metrics.contains("shardgate_proxy_bytes_total"),
-        "not the proxy's metrics: {metrics}"
-    );
-    operator.stop().await;
-    Ok(())
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    Ok((failed, metrics))
 }
 
 /// A `kubernetes.io/tls` Secret `name` with `pair`'s certificate and key.
