@@ -356,13 +356,26 @@ fn chain_problem(secret: &Secret, ca: &[u8], ca_secret: &str) -> Option<String> 
 }
 
 /// Why a Secret's `tls.crt` and `tls.key` are not a certificate and its key, if they are
-/// not.
+/// not. They are taken as the proxy takes them at start (rustls's `CertifiedKey`), which
+/// refuses a key that is not the certificate's: the proxy would not start, and only its
+/// log would say why.
 fn identity_problem(secret: &Secret) -> Option<String> {
+    use rustls::{Error as E, InconsistentKeys};
     let get = |k| secret_key(secret, k, &format!("{CERT} and {KEY}"));
     let checked = get(CERT).and_then(|cert| {
-        shardgate_admin_client::pem::certificates(cert).map_err(|e| format!("{CERT}: {e}"))?;
+        let chain =
+            shardgate_admin_client::pem::certificates(cert).map_err(|e| format!("{CERT}: {e}"))?;
         let key = get(KEY)?;
-        shardgate_admin_client::pem::private_key(key).map_err(|e| format!("{KEY}: {e}"))
+        let key =
+            shardgate_admin_client::pem::private_key(key).map_err(|e| format!("{KEY}: {e}"))?;
+        let provider = rustls::crypto::ring::default_provider();
+        match rustls::sign::CertifiedKey::from_der(chain, key, &provider) {
+            Ok(_) => Ok(()),
+            Err(E::InconsistentKeys(InconsistentKeys::KeyMismatch)) => Err(format!(
+                "has a {KEY} that is not the key of {CERT}'s (first) certificate"
+            )),
+            Err(e) => Err(format!("has a {CERT} and {KEY} the proxy cannot use ({e})")),
+        }
     });
     checked.err()
 }
@@ -434,6 +447,23 @@ mod tests {
         let no_key = secret(&[(CERT, &app.cert_pem), (KEY, &app.cert_pem)]);
         let why = identity_problem(&no_key).unwrap();
         assert!(why.starts_with("tls.key: no PRIVATE KEY block"), "{why}");
+        // Another certificate's key: rustls, and so the proxy, refuses the pair.
+        let other = pki.client_cert("other", "other").unwrap();
+        let mismatched = secret(&[(CERT, &app.cert_pem), (KEY, &other.key_pem)]);
+        assert_eq!(
+            identity_problem(&mismatched),
+            Some("has a tls.key that is not the key of tls.crt's (first) certificate".into())
+        );
+        // The chain's first certificate is the one the key must match; a CA after it is
+        // carried along.
+        let chain = format!("{}{}", app.cert_pem, pki.ca_pem);
+        assert_eq!(
+            identity_problem(&secret(&[(CERT, &chain), (KEY, &app.key_pem)])),
+            None
+        );
+        let reversed = format!("{}{}", pki.ca_pem, app.cert_pem);
+        let why = identity_problem(&secret(&[(CERT, &reversed), (KEY, &app.key_pem)]));
+        assert!(why.is_some_and(|w| w.contains("not the key")));
     }
 
     /// The proxy's certificate passes the nodes' check only when the cluster's CA signed it,
