@@ -35,4 +35,6 @@ pub use api_relay::ApiRelay;
 pub use control_plane::{gateway_api_crds_dir, yaml_files_in, ControlPlane, Options};
 pub use crds::FIELD_MANAGER;
 pub use suite::{Suite, TestEnv};
-pub use traefik::{free_loopback_ip, traefik_binary, Traefik, TRAEFIK_CONTROLLER_NAME};
+pub use traefik::{
+    free_loopback_ip, traefik_binary, StatusAddress, Traefik, TRAEFIK_CONTROLLER_NAME,
+};

@@ -4,7 +4,8 @@
 //!
 //! Traefik serves a Gateway listener on the static entry point whose address ends with the
 //! listener's port, so [`Traefik::start`] takes one `(name, port)` per listener port, all on
-//! one loopback IP, which it also writes into every Gateway's `status.addresses`. Routes reach
+//! one loopback IP, which it also writes into every Gateway's `status.addresses` (or, with
+//! [`StatusAddress::Service`], the ingress of a LoadBalancer Service in front of it). Routes reach
 //! pod IPs through EndpointSlices, which the harness's node agent keeps pointing at its
 //! loopback pods.
 
@@ -77,6 +78,17 @@ pub fn free_loopback_ip(ports: &[u16]) -> Result<IpAddr> {
     Ok(IpAddr::V4(node_ip(ports)?))
 }
 
+/// What Traefik writes into every Gateway's `status.addresses`.
+#[derive(Clone, Debug)]
+pub enum StatusAddress {
+    /// Its own IP, where its entry points listen: clients reach it directly.
+    Own,
+    /// The ingress of the LoadBalancer Service `namespace/name` in front of it, as Traefik
+    /// is deployed in a cluster (`statusAddress.service`): clients reach it through that
+    /// Service, and so through the harness's LoadBalancer relay.
+    Service { namespace: String, name: String },
+}
+
 /// A running Traefik; killed on drop.
 pub struct Traefik {
     ip: IpAddr,
@@ -110,6 +122,17 @@ impl Traefik {
         namespaces: &[&str],
         ip: IpAddr,
         entry_points: &[(String, u16)],
+    ) -> Result<Traefik> {
+        Self::start_with(cp, namespaces, ip, entry_points, &StatusAddress::Own).await
+    }
+
+    /// As [`Traefik::start_in`], with `status` as the Gateways' status address.
+    pub async fn start_with(
+        cp: &ControlPlane,
+        namespaces: &[&str],
+        ip: IpAddr,
+        entry_points: &[(String, u16)],
+        status: &StatusAddress,
     ) -> Result<Traefik> {
         let bin = traefik_binary()?;
         let IpAddr::V4(ip4) = ip else {
@@ -158,12 +181,24 @@ impl Traefik {
             .arg("--global.sendAnonymousUsage=false")
             .arg("--providers.kubernetesgateway=true")
             .arg("--providers.kubernetesgateway.experimentalchannel=true")
-            .arg(format!(
-                "--providers.kubernetesgateway.statusaddress.ip={ip}"
-            ))
             .arg("--ping=true")
             .arg(format!("--ping.entryPoint={PING_ENTRY_POINT}"))
             .arg(format!("--entryPoints.{PING_ENTRY_POINT}.address={ping}"));
+        match status {
+            StatusAddress::Own => {
+                cmd.arg(format!(
+                    "--providers.kubernetesgateway.statusaddress.ip={ip}"
+                ));
+            }
+            StatusAddress::Service { namespace, name } => {
+                cmd.arg(format!(
+                    "--providers.kubernetesgateway.statusaddress.service.namespace={namespace}"
+                ))
+                .arg(format!(
+                    "--providers.kubernetesgateway.statusaddress.service.name={name}"
+                ));
+            }
+        }
         if !namespaces.is_empty() {
             cmd.arg(format!(
                 "--providers.kubernetesgateway.namespaces={}",

@@ -11,6 +11,7 @@ use anyhow::{bail, ensure, Context as _, Result};
 use gateway_api::experimental::gatewayclasses::GatewayClass;
 use gateway_api::experimental::gateways::Gateway;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use redis::AsyncCommands;
@@ -21,7 +22,7 @@ use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
 use shardgate_harness::clients::{cli_script, spread_keys};
 use shardgate_kube_harness::{
-    free_loopback_ip, ControlPlane, Fault, TestEnv, Traefik, TRAEFIK_CONTROLLER_NAME,
+    free_loopback_ip, ControlPlane, Fault, StatusAddress, TestEnv, Traefik, TRAEFIK_CONTROLLER_NAME,
 };
 
 use crate::{cluster_client, condition, eventually, pod_addrs, valkey_cluster, wait_ready};
@@ -142,13 +143,19 @@ pub async fn wait_external_ready(client: &Client, ns: &str, name: &str) -> Resul
 /// fresh loopback IP.
 pub struct TraefikGateway {
     pub traefik: Traefik,
+    /// Where clients reach the Gateway: Traefik's IP, or its LoadBalancer Service's ingress.
+    address: IpAddr,
     api: Api<Gateway>,
 }
+
+/// The LoadBalancer Service in front of Traefik, with
+/// [`TraefikGateway::start_behind_load_balancer`].
+const TRAEFIK_SERVICE: &str = "traefik";
 
 impl TraefikGateway {
     /// Starts Traefik on an entry point per `ports` (watching `ns` only: other Gateways on
     /// the control plane are not this Traefik's) and declares a listener on the first
-    /// `declared` of them.
+    /// `declared` of them. Clients reach Traefik directly, at its own IP.
     pub async fn start(
         cp: &ControlPlane,
         client: &Client,
@@ -158,12 +165,96 @@ impl TraefikGateway {
         prefix: &str,
     ) -> Result<TraefikGateway> {
         let ip = free_loopback_ip(ports)?;
-        let entry_points: Vec<(String, u16)> = ports
+        let traefik = Traefik::start_in(cp, &[ns], ip, &entry_points(ports)).await?;
+        Self::declare_gateway(client, ns, traefik, ip, &ports[..declared], prefix).await
+    }
+
+    /// As [`TraefikGateway::start`], with Traefik behind a LoadBalancer Service (`traefik`,
+    /// a port per entry point, its EndpointSlice pointing at Traefik's IP), as it is
+    /// deployed in a cluster: the Gateway's address is the Service's ingress, and clients
+    /// go through the harness's LoadBalancer relay, as they do to a proxy-mode cluster's
+    /// proxy.
+    pub async fn start_behind_load_balancer(
+        cp: &ControlPlane,
+        client: &Client,
+        ns: &str,
+        ports: &[u16],
+        declared: usize,
+        prefix: &str,
+    ) -> Result<TraefikGateway> {
+        let entry_points = entry_points(ports);
+        let service_ports: Vec<_> = entry_points
             .iter()
-            .enumerate()
-            .map(|(i, &p)| (format!("vk{i}"), p))
+            .map(|(name, port)| json!({ "name": name, "port": port, "targetPort": port, "protocol": "TCP" }))
             .collect();
-        let traefik = Traefik::start_in(cp, &[ns], ip, &entry_points).await?;
+        // No selector: Traefik is not a pod, so its EndpointSlice is written here.
+        let services: Api<Service> = Api::namespaced(client.clone(), ns);
+        services
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "v1", "kind": "Service",
+                    "metadata": { "name": TRAEFIK_SERVICE },
+                    "spec": { "type": "LoadBalancer", "ports": service_ports },
+                }))?,
+            )
+            .await
+            .with_context(|| format!("creating Service {TRAEFIK_SERVICE}"))?;
+        let ingress = eventually(
+            "Traefik's LoadBalancer Service has an ingress IP",
+            Duration::from_secs(60),
+            || async {
+                let svc = services.get(TRAEFIK_SERVICE).await?;
+                let ip = svc
+                    .status
+                    .and_then(|s| s.load_balancer)
+                    .and_then(|lb| lb.ingress)
+                    .and_then(|i| i.into_iter().next())
+                    .and_then(|i| i.ip);
+                ip.and_then(|ip| ip.parse::<IpAddr>().ok())
+                    .context("no ingress IP in its status yet")
+            },
+        )
+        .await?;
+        // Taken after the ingress: the allocator never hands out one IP twice.
+        let ip = free_loopback_ip(ports)?;
+        let slice_ports: Vec<_> = entry_points
+            .iter()
+            .map(|(name, port)| json!({ "name": name, "port": port, "protocol": "TCP" }))
+            .collect();
+        Api::<EndpointSlice>::namespaced(client.clone(), ns)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": format!("{TRAEFIK_SERVICE}-1"),
+                        "labels": { "kubernetes.io/service-name": TRAEFIK_SERVICE },
+                    },
+                    "addressType": "IPv4",
+                    "endpoints": [{ "addresses": [ip.to_string()], "conditions": { "ready": true } }],
+                    "ports": slice_ports,
+                }))?,
+            )
+            .await
+            .context("creating Traefik's EndpointSlice")?;
+        let status = StatusAddress::Service {
+            namespace: ns.to_string(),
+            name: TRAEFIK_SERVICE.to_string(),
+        };
+        let traefik = Traefik::start_with(cp, &[ns], ip, &entry_points, &status).await?;
+        Self::declare_gateway(client, ns, traefik, ingress, &ports[..declared], prefix).await
+    }
+
+    /// The GatewayClass and the Gateway, with a listener on each of `ports`.
+    async fn declare_gateway(
+        client: &Client,
+        ns: &str,
+        traefik: Traefik,
+        address: IpAddr,
+        ports: &[u16],
+        prefix: &str,
+    ) -> Result<TraefikGateway> {
         let class = format!("traefik-{ns}");
         Api::<GatewayClass>::all(client.clone())
             .create(
@@ -184,17 +275,22 @@ impl TraefikGateway {
                 "metadata": { "name": "gw" },
                 "spec": {
                     "gatewayClassName": class,
-                    "listeners": gateway_listeners(&ports[..declared], prefix),
+                    "listeners": gateway_listeners(ports, prefix),
                 },
             }))?,
         )
         .await
         .context("creating Gateway gw")?;
-        Ok(TraefikGateway { traefik, api })
+        Ok(TraefikGateway {
+            traefik,
+            address,
+            api,
+        })
     }
 
+    /// Where clients reach the Gateway (its status address).
     pub fn ip(&self) -> IpAddr {
-        self.traefik.ip()
+        self.address
     }
 
     /// Declares a listener on each of `ports` (the user adding what status asks for).
@@ -208,6 +304,15 @@ impl TraefikGateway {
             .await?;
         Ok(())
     }
+}
+
+/// Traefik's entry points: `vk<k>` on each of `ports`.
+fn entry_points(ports: &[u16]) -> Vec<(String, u16)> {
+    ports
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| (format!("vk{i}"), p))
+        .collect()
 }
 
 fn gateway_listeners(ports: &[u16], prefix: &str) -> Vec<serde_json::Value> {

@@ -327,10 +327,17 @@ async fn added_and_removed(env: TestEnv) -> Result<()> {
 /// `spec.tls` through a Gateway: Traefik's TCP routes carry the nodes' TLS untouched (the
 /// Gateway holds no certificate), each node announces its listener port as its TLS port,
 /// and clients outside that know only the Gateway speak TLS to the nodes themselves.
+/// Traefik sits behind a LoadBalancer Service of its own, as it is deployed in a cluster:
+/// the Gateway's address, and so every address the nodes announce, is the Service's.
 async fn tls_through(env: TestEnv) -> Result<()> {
     let base = 32400u16;
     let ports = port_range(base, 6);
-    let gw = TraefikGateway::start(&env.cp, &env.client, &env.ns, &ports, 6, "l").await?;
+    let (cp, client, ns) = (&env.cp, &env.client, &env.ns);
+    let gw = TraefikGateway::start_behind_load_balancer(cp, client, ns, &ports, 6, "l").await?;
+    ensure!(
+        gw.ip() != gw.traefik.ip(),
+        "the Gateway's address is Traefik's own"
+    );
     let TestEnv { client, ns, .. } = &env;
     let operator = Operator::start(client, ns);
     let tls = ClusterTls::new()?;

@@ -36,7 +36,8 @@ const HELP: &str = "bench-gateway [--rounds N] [--quick] [--out DIR] [--note TEX
 On a local Kubernetes control plane (the test harness: pods are local processes on loopback
 IPs), runs the operator in-process and creates two ValkeyClusters of 3 shards x 1 replica:
 `gw`, gateway mode (announce mode, one TCPRoute per node through a Gateway served by
-Traefik), and `px`, proxy mode (shardgate-proxy, one replica, behind a LoadBalancer). Then
+Traefik, itself behind a LoadBalancer), and `px`, proxy mode (shardgate-proxy, one replica,
+behind a LoadBalancer). Then
 drives both with the same redis-benchmark --cluster load from outside (50 clients; SET and
 GET, pipeline 1 and 16), interleaved, and writes docs/performance-gateway.md: requests/s,
 p50/p99 latency and the data plane's CPU per request (Traefik's process, the proxy pod's
@@ -281,7 +282,8 @@ async fn bench(cp: &ControlPlane, args: &Args) -> Result<Vec<Sample>> {
     let started = Instant::now();
     // Six listeners: one per node (3 shards x 2 nodes), as gateway mode routes them.
     let nodes = u16::try_from(SHARDS * (REPLICAS + 1))?;
-    let gateway = TraefikGateway::start(
+    // Behind a LoadBalancer Service, as the proxy is: both paths cross the harness's relay.
+    let gateway = TraefikGateway::start_behind_load_balancer(
         cp,
         &client,
         &ns,
@@ -724,7 +726,7 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
          agent running pods as local processes on loopback IPs) and the operator. Two \
          ValkeyClusters of {SHARDS} shards x {REPLICAS} replica (no persistence): `gw` in \
          gateway mode (announce mode, one TCPRoute per node on a Gateway served by Traefik, \
-         `GOMAXPROCS=2`), `px` in proxy mode (one shardgate-proxy pod, release build, behind a \
+         `GOMAXPROCS=2`, behind a LoadBalancer Service), `px` in proxy mode (one shardgate-proxy pod, release build, behind a \
          LoadBalancer address, rewriting topology replies; Tokio's default runtime, one worker \
          per core). Before measuring, the topology \
          asked through each path is checked to name only its external addresses, so the \
@@ -732,16 +734,17 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
     )?;
     writeln!(
         md,
-        "**The two paths are not the same length here.** Traefik runs outside the cluster on \
-         a loopback IP of its own, so gateway mode is client → Traefik → Valkey. The proxy \
-         is a pod behind a LoadBalancer Service, and the harness's LoadBalancer is a user-space \
-         relay in this (debug-built) process, so proxy mode is client → relay → shardgate → \
-         Valkey: one more hop, with its two reads and two writes per request, that a real \
-         LoadBalancer (cloud, MetalLB, IPVS) does in the kernel or the network, and that a \
-         Traefik behind its own LoadBalancer Service would pay too. The requests/s and latency \
-         ratios below carry that hop; the data-plane CPU columns do not (the relay is not \
-         counted). For the data planes alone, one hop each in front of the same Valkey, see \
-         [performance.md](performance.md) (shardgate against Traefik's TCP router).\n"
+        "**Both paths cross the same relay.** Traefik is deployed as in a cluster: behind a \
+         LoadBalancer Service of its own, whose ingress its Gateway hands out \
+         (`statusAddress.service`), as the proxy is behind its Service. The harness's \
+         LoadBalancer is a user-space relay in this process (built with `--release`), so \
+         gateway mode is client → relay → Traefik → Valkey and proxy mode client → relay → \
+         shardgate → Valkey. A real LoadBalancer (cloud, MetalLB, IPVS) does that hop in the \
+         kernel or the network; here it adds two reads and two writes per request to both \
+         paths alike, so the requests/s and latency ratios carry it on both sides, and the \
+         data-plane CPU columns leave it out (the relay is not counted). For the data planes \
+         alone, one hop each in front of the same Valkey, see [performance.md](performance.md) \
+         (shardgate against Traefik's TCP router).\n"
     )?;
     writeln!(
         md,
@@ -749,8 +752,7 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
          external bootstrap address, {} round(s), both paths interleaved (the first path \
          alternates), after {WARM_UP} SETs on each path not measured; {} requests per run at \
          pipeline 1 and {} at pipeline 16. `1 client SET+GET`: one Rust cluster client (the \
-         `redis` crate's cluster-async connection, built in debug like the rest of the \
-         harness: its own overhead is in both columns) seeded with the same address, {} \
+         `redis` crate's cluster-async connection, its own overhead in both columns) seeded with the same address, {} \
          requests, SET then GET of keys over every slot, one at a time, each timed (its req/s \
          is requests over the run's time). Cells are the \
          median over rounds with the min–max spread; ratio = proxy / gateway of the medians \
