@@ -374,6 +374,12 @@ fn identity_problem(secret: &Secret) -> Option<String> {
             Err(E::InconsistentKeys(InconsistentKeys::KeyMismatch)) => Err(format!(
                 "has a {KEY} that is not the key of {CERT}'s (first) certificate"
             )),
+            // A certificate webpki cannot parse; a key ring cannot load (a curve or size
+            // it does not take).
+            Err(E::InvalidCertificate(e)) => Err(format!(
+                "has a {CERT} the proxy cannot use: its first certificate does not parse ({e:?})"
+            )),
+            Err(E::General(why)) => Err(format!("has a {KEY} the proxy cannot use: {why}")),
             Err(e) => Err(format!("has a {CERT} and {KEY} the proxy cannot use ({e})")),
         }
     });
@@ -464,6 +470,27 @@ mod tests {
         let reversed = format!("{}{}", pki.ca_pem, app.cert_pem);
         let why = identity_problem(&secret(&[(CERT, &reversed), (KEY, &app.key_pem)]));
         assert!(why.is_some_and(|w| w.contains("not the key")));
+        // PEM blocks of the right kinds whose DER is not a certificate, not a key.
+        let junk = |kind: &str| format!("-----BEGIN {kind}-----\nMAMCAQE=\n-----END {kind}-----\n");
+        let why = identity_problem(&secret(&[
+            (CERT, &app.cert_pem),
+            (KEY, &junk("PRIVATE KEY")),
+        ]));
+        assert!(
+            why.as_deref()
+                .is_some_and(|w| w.starts_with("has a tls.key the proxy cannot use: ")),
+            "{why:?}"
+        );
+        let why = identity_problem(&secret(&[
+            (CERT, &junk("CERTIFICATE")),
+            (KEY, &app.key_pem),
+        ]));
+        assert!(
+            why.as_deref().is_some_and(|w| w.starts_with(
+                "has a tls.crt the proxy cannot use: its first certificate does not parse"
+            )),
+            "{why:?}"
+        );
     }
 
     /// The proxy's certificate passes the nodes' check only when the cluster's CA signed it,

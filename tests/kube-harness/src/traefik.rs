@@ -135,6 +135,15 @@ impl Traefik {
         status: &StatusAddress,
     ) -> Result<Traefik> {
         let bin = traefik_binary()?;
+        // Traefik looks the Service up among what it watches: one elsewhere would leave it
+        // with no Gateway address, and so with no configuration at all.
+        if let StatusAddress::Service { namespace, .. } = status {
+            ensure!(
+                namespaces.is_empty() || namespaces.contains(&namespace.as_str()),
+                "the status Service's namespace {namespace} is not among those Traefik \
+                 watches ({namespaces:?})"
+            );
+        }
         let IpAddr::V4(ip4) = ip else {
             bail!("Traefik's IP {ip} is not IPv4: tests listen in 127.0.0.0/8 only");
         };
@@ -258,7 +267,8 @@ impl Traefik {
         }
     }
 
-    /// The IP of its entry points, also the Gateways' status address.
+    /// The IP of its entry points; the Gateways' status address too, unless it was started
+    /// behind a Service ([`StatusAddress::Service`]).
     pub fn ip(&self) -> IpAddr {
         self.ip
     }

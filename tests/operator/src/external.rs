@@ -216,7 +216,8 @@ impl TraefikGateway {
             },
         )
         .await?;
-        // Taken after the ingress: the allocator never hands out one IP twice.
+        // Not the ingress: the allocator, shared with the node agent, never hands out an IP
+        // twice.
         let ip = free_loopback_ip(ports)?;
         let slice_ports: Vec<_> = entry_points
             .iter()

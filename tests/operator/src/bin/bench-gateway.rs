@@ -105,6 +105,13 @@ fn main() -> Result<()> {
         println!("{HELP}");
         return Ok(());
     };
+    // The LoadBalancer relay that both paths cross runs in this process: a debug build
+    // would make it, not the data planes, what the run measures.
+    ensure!(
+        !cfg!(debug_assertions),
+        "bench-gateway is a release build's job (scripts/bench-gateway runs it so): the \
+         harness's LoadBalancer relay, which both measured paths cross, runs in this process"
+    );
     let tools = Tools::find()?;
     let started = Instant::now();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -188,7 +195,8 @@ impl Tools {
         let valkey = shardgate_harness::tools::valkey_server()?;
         // The node agent runs `$SHARDGATE_PROXY_BIN` for the proxy pods; without it, it would
         // take whatever binary lies next to this one (a debug build, perhaps without the
-        // `kubernetes` feature): not what a benchmark should measure.
+        // `kubernetes` feature, when this one was built otherwise): not what a benchmark
+        // should measure.
         let proxy = std::env::var_os("SHARDGATE_PROXY_BIN")
             .map(PathBuf::from)
             .filter(|p| p.is_file())
@@ -293,7 +301,8 @@ async fn bench(cp: &ControlPlane, args: &Args) -> Result<Vec<Sample>> {
     )
     .await?;
     println!(
-        "Traefik up at {} (pid {}); log {}",
+        "Traefik up at {} behind the LoadBalancer {} (pid {}); log {}",
+        gateway.traefik.ip(),
         gateway.ip(),
         gateway.traefik.pid(),
         gateway.traefik.log_path().display()
