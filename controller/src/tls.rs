@@ -547,6 +547,17 @@ mod tests {
                 "{why}: {got}"
             );
         }
+        // Signed by an intermediate CA: passes when tls.crt carries the intermediate after
+        // the leaf (as cert-manager writes it), not with the leaf alone.
+        let intermediate = pki.intermediate("issuing").unwrap();
+        let leaf = intermediate.client_cert("app", "app").unwrap();
+        let with_chain = CertPair {
+            cert_pem: format!("{}{}", leaf.cert_pem, intermediate.ca_pem),
+            ..leaf.clone()
+        };
+        assert_eq!(problem(with_chain), None);
+        let alone = problem(leaf).unwrap_or_default();
+        assert!(alone.contains("UnknownIssuer"), "{alone}");
         let unchecked = ValkeyCluster::test("vc")
             .tls("vc-tls")
             .config("TLS-Auth-Clients", "no");

@@ -95,6 +95,39 @@ impl TestPki {
         })
     }
 
+    /// An intermediate CA that this one signed, as a `TestPki` of its own: what it signs
+    /// chains to this CA through it. Its `ca_pem` is the intermediate's certificate, which a
+    /// leaf's chain carries after the leaf; clients trust this CA's.
+    pub fn intermediate(&self, name: &str) -> Result<TestPki> {
+        let dir = unique_dir("shardgate-pki");
+        std::fs::create_dir_all(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
+        let key = KeyPair::generate().context("intermediate CA key")?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(
+            DnType::CommonName,
+            format!("shardgate test intermediate CA {name} for {}", self.domain),
+        );
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .with_context(|| format!("signing the intermediate CA {name}"))?;
+        let ca = dir.join("ca.crt");
+        let ca_pem = cert.pem();
+        write(&ca, &ca_pem)?;
+        Ok(TestPki {
+            dir,
+            domain: self.domain.clone(),
+            issuer: Issuer::new(params, key),
+            ca,
+            ca_pem,
+        })
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
