@@ -71,17 +71,7 @@ impl TestPki {
         let dir = unique_dir("shardgate-pki");
         std::fs::create_dir_all(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
         let key = KeyPair::generate().context("CA key")?;
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(
-            DnType::CommonName,
-            format!("shardgate test CA for {domain}"),
-        );
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
+        let params = ca_params(format!("shardgate test CA for {domain}"))?;
         let cert = params.self_signed(&key).context("self-signing the CA")?;
         let ca = dir.join("ca.crt");
         let ca_pem = cert.pem();
@@ -102,17 +92,10 @@ impl TestPki {
         let dir = unique_dir("shardgate-pki");
         std::fs::create_dir_all(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
         let key = KeyPair::generate().context("intermediate CA key")?;
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(
-            DnType::CommonName,
-            format!("shardgate test intermediate CA {name} for {}", self.domain),
-        );
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
+        let params = ca_params(format!(
+            "shardgate test intermediate CA {name} for {}",
+            self.domain
+        ))?;
         let cert = params
             .signed_by(&key, &self.issuer)
             .with_context(|| format!("signing the intermediate CA {name}"))?;
@@ -227,6 +210,19 @@ impl TestPki {
     pub fn client_config(&self, client: Option<&CertPair>) -> Arc<ClientConfig> {
         client_config(&[&self.ca_pem], client, None)
     }
+}
+
+/// A CA's certificate parameters (it may sign anything), named `cn`.
+fn ca_params(cn: String) -> Result<CertificateParams> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, cn);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(params)
 }
 
 impl Drop for TestPki {
