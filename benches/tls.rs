@@ -1,17 +1,21 @@
-//! TLS termination against plain forwarding: requests/s and the proxy's CPU time per request,
-//! in one run on one machine, with `redis-benchmark` (Debian's redis-tools, built with TLS) as
-//! the load and a real `valkey-server` behind the proxy.
+//! TLS termination against plain forwarding: requests/s and CPU time per request, in one run
+//! on one machine, with `redis-benchmark` (Debian's redis-tools, built with TLS) as the load
+//! and a real `valkey-server` behind the proxy.
 //!
 //! ```sh
-//! cargo bench -p shardgate-benches --bench tls                 # ~1 min
-//! SHARDGATE_BENCH_REQUESTS=400000 cargo bench -p shardgate-benches --bench tls
+//! cargo bench -p shardgate-benches --bench tls                 # ~2-3 min
+//! SHARDGATE_BENCH_REQUESTS=400000 SHARDGATE_BENCH_ROUNDS=7 cargo bench -p shardgate-benches --bench tls
 //! ```
 //!
 //! The proxy runs in this process on its own tokio runtime, whose worker threads are named
 //! `sg-proxy`; its CPU time is the sum of those threads' user and system time
 //! (`/proc/self/task/*/stat`), read before and after each case, so neither the load
-//! generator nor Valkey is counted. Cases:
-//! - `direct`: redis-benchmark straight to Valkey (the limit; no proxy CPU);
+//! generator nor Valkey is counted. Those two are measured apart: redis-benchmark's CPU time
+//! is this process's waited-for children's (`cutime` and `cstime` in `/proc/self/stat`),
+//! Valkey's its process's. On two cores shared by all three, the requests/s a case reaches
+//! follow the CPU the whole machine spends per request, not the data plane's alone: the
+//! report shows both. Cases:
+//! - `direct`: redis-benchmark straight to Valkey (the limit; no data-plane CPU);
 //! - `plain`: through a per-port listener;
 //! - `tls`: through the TLS port, terminating TLS 1.3 (`--tls --sni vc-0-0.example.test`);
 //! - `plain_reconnect` / `tls_reconnect`: a new connection per request (`-k 0`), where the
@@ -19,10 +23,12 @@
 //! - `haproxy_plain` / `haproxy_tls`: HAProxy (`mode tcp`, one thread; Debian's package,
 //!   OpenSSL) forwarding, then terminating TLS the same way, its CPU time from
 //!   `/proc/<pid>/stat`: what TLS costs a data plane that is not shardgate, on the same
-//!   machine with the same load generator (which does its own TLS on the same cores).
+//!   machine with the same load generator;
+//! - the same at pipeline 16 (`_p16`), where the load generator's TLS costs less per request.
 //!
-//! Each case runs `PING_MBULK`, `SET` and `GET` with 50 clients, no pipelining. Quote the
-//! ratios, not the absolute numbers: the machine is shared.
+//! Each case runs `GET` with 50 clients and 64-byte values; every case runs once per round,
+//! in an order that rotates from round to round, and the report gives medians over rounds
+//! with their spread. Quote the ratios, not the absolute numbers: the machine is shared.
 
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -67,16 +73,21 @@ fn proxy_cpu() -> f64 {
     total as f64 / ticks
 }
 
-struct Outcome {
-    rps: Vec<(String, f64)>,
-    requests: f64,
-    cpu: f64,
-    wall: f64,
-}
-
 /// CPU seconds of process `pid` (user and system).
 fn process_cpu(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    stat_seconds(&format!("/proc/{pid}/stat"), [11, 12])
+}
+
+/// CPU seconds of this process's children that have been waited for (`cutime` and
+/// `cstime`): a redis-benchmark run's, read before and after it.
+fn children_cpu() -> f64 {
+    stat_seconds("/proc/self/stat", [13, 14])
+}
+
+/// The sum of the clock-tick fields at `at` (counted from the state, the field after the
+/// command's name) of a `stat` file, in seconds; 0 if it cannot be read.
+fn stat_seconds(path: &str, at: [usize; 2]) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(path) else {
         return 0.0;
     };
     let Some(close) = stat.rfind(')') else {
@@ -89,7 +100,101 @@ fn process_cpu(pid: u32) -> f64 {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0)
     };
-    (ticks(11) + ticks(12)) as f64 / 100.0
+    at.iter().map(|&i| ticks(i)).sum::<u64>() as f64 / 100.0
+}
+
+/// One case's run: its GET requests/s and, per request, the CPU microseconds of the data
+/// plane, of the load generator and of Valkey.
+#[derive(Clone, Copy, Debug)]
+struct Outcome {
+    rps: f64,
+    data_plane_us: f64,
+    client_us: f64,
+    valkey_us: f64,
+    /// Cores busy on average over the run (all three processes' CPU over the wall time).
+    cores: f64,
+}
+
+impl Outcome {
+    /// What the whole machine spends per request.
+    fn machine_us(&self) -> f64 {
+        self.data_plane_us + self.client_us + self.valkey_us
+    }
+}
+
+/// Whose CPU time a case reads as the data plane's.
+#[derive(Clone, Copy)]
+enum DataPlane {
+    /// The proxy's threads in this process (none counted for `direct`).
+    Proxy,
+    Haproxy(u32),
+    None,
+}
+
+impl DataPlane {
+    fn cpu(self) -> f64 {
+        match self {
+            DataPlane::Proxy => proxy_cpu(),
+            DataPlane::Haproxy(pid) => process_cpu(pid),
+            DataPlane::None => 0.0,
+        }
+    }
+}
+
+fn run(
+    port: u16,
+    extra: &[String],
+    requests: u64,
+    keepalive: bool,
+    data_plane: DataPlane,
+    valkey_pid: u32,
+) -> Outcome {
+    let (dp0, client0, valkey0) = (data_plane.cpu(), children_cpu(), process_cpu(valkey_pid));
+    let t0 = Instant::now();
+    let mut cmd = Command::new(redis_benchmark().expect("redis-benchmark (scripts/setup)"));
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(["-c", "50", "-n", &requests.to_string(), "-d", "64"])
+        .args(["-t", "get", "--csv"])
+        .args(extra);
+    if !keepalive {
+        cmd.args(["-k", "0"]);
+    }
+    let out = cmd.output().expect("running redis-benchmark");
+    let wall = t0.elapsed().as_secs_f64();
+    let (dp, client, valkey) = (
+        data_plane.cpu() - dp0,
+        children_cpu() - client0,
+        process_cpu(valkey_pid) - valkey0,
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rps = shardgate_harness::tools::parse_benchmark_csv(&text)
+        .ok()
+        .map(|r| r.rps);
+    assert!(
+        out.status.success() && rps.is_some(),
+        "redis-benchmark failed: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let per_req = |s: f64| s / requests as f64 * 1e6;
+    Outcome {
+        rps: rps.unwrap_or_default(),
+        data_plane_us: per_req(dp),
+        client_us: per_req(client),
+        valkey_us: per_req(valkey),
+        cores: (dp + client + valkey) / wall,
+    }
+}
+
+/// Median, min and max (`values` not empty).
+fn spread(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let median = if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    };
+    (median, values[0], values[n - 1])
 }
 
 /// HAProxy in front of `backend`, one thread: a plain listener and a TLS one with `pem`
@@ -140,63 +245,21 @@ impl Drop for Haproxy {
     }
 }
 
-fn run(port: u16, extra: &[String], requests: u64, keepalive: bool) -> Outcome {
-    run_measuring(port, extra, requests, keepalive, proxy_cpu)
-}
-
-fn run_measuring(
-    port: u16,
-    extra: &[String],
-    requests: u64,
-    keepalive: bool,
-    proxy_cpu: impl Fn() -> f64,
-) -> Outcome {
-    let cpu0 = proxy_cpu();
-    let t0 = Instant::now();
-    let mut cmd = Command::new(redis_benchmark().expect("redis-benchmark (scripts/setup)"));
-    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(["-c", "50", "-n", &requests.to_string(), "-d", "64"])
-        .args(["-t", "ping_mbulk,set,get", "--csv"])
-        .args(extra);
-    if !keepalive {
-        cmd.args(["-k", "0"]);
-    }
-    let out = cmd.output().expect("running redis-benchmark");
-    let wall = t0.elapsed().as_secs_f64();
-    let cpu = proxy_cpu() - cpu0;
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("\"rps\""),
-        "redis-benchmark failed: {text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rps: Vec<(String, f64)> = text
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let cols: Vec<&str> = l.split(',').map(|c| c.trim_matches('"')).collect();
-            Some((cols.first()?.to_string(), cols.get(1)?.parse().ok()?))
-        })
-        .collect();
-    let tests = rps.len().max(1) as f64;
-    Outcome {
-        rps,
-        requests: requests as f64 * tests,
-        cpu,
-        wall,
-    }
-}
-
 fn main() {
     // `cargo test --benches` runs bench targets without --bench: nothing to measure then.
     if !std::env::args().any(|a| a == "--bench") {
         println!("tls bench: run it with `cargo bench -p shardgate-benches --bench tls`");
         return;
     }
-    let requests: u64 = std::env::var("SHARDGATE_BENCH_REQUESTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100_000);
+    let env_number = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(default)
+    };
+    let requests = env_number("SHARDGATE_BENCH_REQUESTS", 200_000);
+    let rounds = env_number("SHARDGATE_BENCH_ROUNDS", 5);
     let valkey = Standalone::start().expect("valkey-server (scripts/setup)");
     let pki = TestPki::new("example.test").expect("test CA");
     let cert = pki.wildcard("proxy").expect("certificate");
@@ -296,99 +359,121 @@ fn main() {
         ),
     ];
     let haproxy_pid = haproxy.child.id();
+    let valkey_pid = valkey.pid();
+    let data_plane = |name: &str| match name {
+        "direct" => DataPlane::None,
+        n if n.starts_with("haproxy") => DataPlane::Haproxy(haproxy_pid),
+        _ => DataPlane::Proxy,
+    };
     // Warm up both paths.
-    run(base, &[], 5000, true);
+    run(base, &[], 5000, true, DataPlane::Proxy, valkey_pid);
+    run(haproxy.plain, &[], 5000, true, DataPlane::None, valkey_pid);
     println!(
-        "proxy: 1 worker thread; redis-benchmark -c 50 -d 64; {requests} requests per test \
-         ({reconnect} for the reconnect cases, 4 times as many at pipeline 16)\n"
+        "proxy: 1 worker thread; redis-benchmark -t get -c 50 -d 64; {requests} requests per \
+         case ({reconnect} for the reconnect cases, 4 times as many at pipeline 16); {rounds} \
+         rounds, the cases' order rotating\n"
     );
     println!(
-        "{:<16} {:>12} {:>12} {:>12} {:>16} {:>10}",
-        "case", "PING rps", "SET rps", "GET rps", "proxy CPU µs/req", "wall s"
+        "{:<6} {:<18} {:>9} {:>11} {:>10} {:>10} {:>11} {:>6}",
+        "round", "case", "GET rps", "data plane", "client", "Valkey", "machine", "cores"
     );
-    let mut results = vec![];
-    for (name, port, extra, n, keepalive) in cases {
-        let o = if name.starts_with("haproxy") {
-            run_measuring(port, &extra, n, keepalive, || process_cpu(haproxy_pid))
-        } else {
-            run(port, &extra, n, keepalive)
-        };
-        let get = |t: &str| {
-            o.rps
-                .iter()
-                .find(|(k, _)| k.starts_with(t))
-                .map_or(0.0, |(_, v)| *v)
-        };
-        let per_req = o.cpu / o.requests * 1e6;
-        println!(
-            "{name:<16} {:>12.0} {:>12.0} {:>12.0} {:>16.2} {:>10.1}",
-            get("PING"),
-            get("SET"),
-            get("GET"),
-            per_req,
-            o.wall
-        );
-        results.push((name, get("GET"), per_req));
-    }
-    let find = |n: &str| results.iter().find(|r| r.0 == n).copied();
-    if let (Some(d), Some(p), Some(t), Some(pr), Some(tr)) = (
-        find("direct"),
-        find("plain"),
-        find("tls"),
-        find("plain_reconnect"),
-        find("tls_reconnect"),
-    ) {
-        println!("\nratios (GET rps; CPU per request):");
-        println!("  plain / direct rps          {:.2}", p.1 / d.1);
-        println!("  tls / plain rps             {:.2}", t.1 / p.1);
-        println!("  tls / plain CPU per request {:.2}", t.2 / p.2);
-        println!(
-            "  tls_reconnect / plain_reconnect rps          {:.2}",
-            tr.1 / pr.1
-        );
-        println!(
-            "  tls_reconnect / plain_reconnect CPU per req  {:.2}",
-            tr.2 / pr.2
-        );
-    }
-    if let (Some(hp), Some(ht), Some(p), Some(t)) = (
-        find("haproxy_plain"),
-        find("haproxy_tls"),
-        find("plain"),
-        find("tls"),
-    ) {
-        println!(
-            "  haproxy tls / haproxy plain rps          {:.2}",
-            ht.1 / hp.1
-        );
-        println!(
-            "  haproxy tls / haproxy plain CPU per req  {:.2}",
-            ht.2 / hp.2
-        );
-        println!(
-            "  shardgate tls / haproxy tls rps          {:.2}",
-            t.1 / ht.1
-        );
-        println!(
-            "  shardgate tls / haproxy tls CPU per req  {:.2}",
-            t.2 / ht.2
-        );
-        println!(
-            "  shardgate plain / haproxy plain rps      {:.2}",
-            p.1 / hp.1
-        );
-    }
-    for (what, plain, tls) in [
-        ("shardgate", "plain_p16", "tls_p16"),
-        ("haproxy", "haproxy_plain_p16", "haproxy_tls_p16"),
-    ] {
-        if let (Some(p), Some(t)) = (find(plain), find(tls)) {
+    let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); cases.len()];
+    for round in 0..rounds as usize {
+        let first = round % cases.len();
+        for i in (first..cases.len()).chain(0..first) {
+            let (name, port, extra, n, keepalive) = &cases[i];
+            let o = run(*port, extra, *n, *keepalive, data_plane(name), valkey_pid);
             println!(
-                "  {what} pipeline 16: tls / plain rps {:.2}, CPU per request {:.2}",
-                t.1 / p.1,
-                t.2 / p.2
+                "{:<6} {name:<18} {:>9.0} {:>11.2} {:>10.2} {:>10.2} {:>11.2} {:>6.2}",
+                round + 1,
+                o.rps,
+                o.data_plane_us,
+                o.client_us,
+                o.valkey_us,
+                o.machine_us(),
+                o.cores
             );
+            outcomes[i].push(o);
         }
+    }
+
+    // Medians over rounds, by case.
+    let median = |i: usize, f: fn(&Outcome) -> f64| spread(outcomes[i].iter().map(f).collect());
+    println!(
+        "\nmedians (min-max) over {rounds} rounds; CPU in µs per request\n{:<18} {:>26} {:>20} \
+         {:>20} {:>20} {:>20}",
+        "case", "GET rps", "data plane", "client", "Valkey", "machine"
+    );
+    let show = |(m, lo, hi): (f64, f64, f64), digits: usize| {
+        format!("{m:.digits$} ({lo:.digits$}-{hi:.digits$})")
+    };
+    for (i, (name, ..)) in cases.iter().enumerate() {
+        println!(
+            "{name:<18} {:>26} {:>20} {:>20} {:>20} {:>20}",
+            show(median(i, |o| o.rps), 0),
+            show(median(i, |o| o.data_plane_us), 2),
+            show(median(i, |o| o.client_us), 2),
+            show(median(i, |o| o.valkey_us), 2),
+            show(median(i, |o| o.machine_us()), 2),
+        );
+    }
+
+    // TLS against plain, from the medians: requests/s, the data plane's CPU per request, the
+    // machine's, and the requests/s that the machine's CPU alone would predict when the
+    // cores are the limit (plain's machine CPU over TLS's).
+    let index = |n: &str| cases.iter().position(|c| c.0 == n);
+    println!(
+        "\n{:<36} {:>8} {:>16} {:>13} {:>19}",
+        "TLS against plain (medians)",
+        "rps",
+        "data plane CPU",
+        "machine CPU",
+        "rps the CPU predicts"
+    );
+    for (what, plain, tls) in [
+        ("shardgate", "plain", "tls"),
+        ("HAProxy", "haproxy_plain", "haproxy_tls"),
+        ("shardgate, pipeline 16", "plain_p16", "tls_p16"),
+        (
+            "HAProxy, pipeline 16",
+            "haproxy_plain_p16",
+            "haproxy_tls_p16",
+        ),
+        (
+            "shardgate, a connection per request",
+            "plain_reconnect",
+            "tls_reconnect",
+        ),
+    ] {
+        let (Some(p), Some(t)) = (index(plain), index(tls)) else {
+            continue;
+        };
+        let ratio = |f: fn(&Outcome) -> f64| median(t, f).0 / median(p, f).0;
+        println!(
+            "{what:<36} {:>8.2} {:>16.2} {:>13.2} {:>19.2}",
+            ratio(|o| o.rps),
+            ratio(|o| o.data_plane_us),
+            ratio(|o| o.machine_us()),
+            1.0 / ratio(|o| o.machine_us()),
+        );
+    }
+    if let (Some(t), Some(ht), Some(p), Some(hp), Some(d)) = (
+        index("tls"),
+        index("haproxy_tls"),
+        index("plain"),
+        index("haproxy_plain"),
+        index("direct"),
+    ) {
+        let against = |a: usize, b: usize, f: fn(&Outcome) -> f64| median(a, f).0 / median(b, f).0;
+        println!(
+            "\nshardgate against HAProxy: plain {:.2}x the requests/s at {:.2}x the CPU per \
+             request, TLS {:.2}x at {:.2}x; plain / direct requests/s {:.2}",
+            against(p, hp, |o| o.rps),
+            against(p, hp, |o| o.data_plane_us),
+            against(t, ht, |o| o.rps),
+            against(t, ht, |o| o.data_plane_us),
+            against(p, d, |o| o.rps),
+        );
     }
     drop(haproxy);
     runtime.block_on(proxy.shutdown());

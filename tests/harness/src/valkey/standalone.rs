@@ -41,6 +41,11 @@ impl Standalone {
         })
     }
 
+    /// The server's process id (for its CPU time in `/proc/<pid>/stat`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts a server on a free port of 127.0.0.1, with the arguments `port_args` makes
     /// of it.
     fn spawn(port_args: impl FnOnce(u16) -> Vec<String>) -> Result<Standalone> {
