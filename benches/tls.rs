@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use shardgate_crds::Hostnames;
 use shardgate_harness::addr::free_port;
+use shardgate_harness::stats::{spread, Stat};
 use shardgate_harness::tls::TestPki;
 use shardgate_harness::tools::redis_benchmark;
 use shardgate_harness::valkey::Standalone;
@@ -183,18 +184,6 @@ fn run(
         valkey_us: per_req(valkey),
         cores: (dp + client + valkey) / wall,
     }
-}
-
-/// Median, min and max (`values` not empty).
-fn spread(mut values: Vec<f64>) -> (f64, f64, f64) {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    let median = if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    };
-    (median, values[0], values[n - 1])
 }
 
 /// HAProxy in front of `backend`, one thread: a plain listener and a TLS one with `pem`
@@ -398,14 +387,19 @@ fn main() {
     }
 
     // Medians over rounds, by case.
-    let median = |i: usize, f: fn(&Outcome) -> f64| spread(outcomes[i].iter().map(f).collect());
+    let median = |i: usize, f: fn(&Outcome) -> f64| {
+        spread(outcomes[i].iter().map(f).collect()).expect("every case ran at least one round")
+    };
     println!(
         "\nmedians (min-max) over {rounds} rounds; CPU in µs per request\n{:<18} {:>26} {:>20} \
          {:>20} {:>20} {:>20}",
         "case", "GET rps", "data plane", "client", "Valkey", "machine"
     );
-    let show = |(m, lo, hi): (f64, f64, f64), digits: usize| {
-        format!("{m:.digits$} ({lo:.digits$}-{hi:.digits$})")
+    let show = |s: Stat, digits: usize| {
+        format!(
+            "{:.digits$} ({:.digits$}-{:.digits$})",
+            s.median, s.min, s.max
+        )
     };
     for (i, (name, ..)) in cases.iter().enumerate() {
         println!(
@@ -448,7 +442,7 @@ fn main() {
         let (Some(p), Some(t)) = (index(plain), index(tls)) else {
             continue;
         };
-        let ratio = |f: fn(&Outcome) -> f64| median(t, f).0 / median(p, f).0;
+        let ratio = |f: fn(&Outcome) -> f64| median(t, f).median / median(p, f).median;
         println!(
             "{what:<36} {:>8.2} {:>16.2} {:>13.2} {:>19.2}",
             ratio(|o| o.rps),
@@ -464,7 +458,8 @@ fn main() {
         index("haproxy_plain"),
         index("direct"),
     ) {
-        let against = |a: usize, b: usize, f: fn(&Outcome) -> f64| median(a, f).0 / median(b, f).0;
+        let against =
+            |a: usize, b: usize, f: fn(&Outcome) -> f64| median(a, f).median / median(b, f).median;
         println!(
             "\nshardgate against HAProxy: plain {:.2}x the requests/s at {:.2}x the CPU per \
              request, TLS {:.2}x at {:.2}x; plain / direct requests/s {:.2}",

@@ -57,13 +57,8 @@ impl Sample {
     }
 }
 
-/// Median and spread over rounds.
-#[derive(Clone, Copy, Debug)]
-pub struct Stat {
-    pub median: f64,
-    pub min: f64,
-    pub max: f64,
-}
+use shardgate_harness::stats::spread as spread_of;
+pub use shardgate_harness::stats::Stat;
 
 pub fn stat(
     samples: &[Sample],
@@ -115,25 +110,6 @@ pub fn paired(
             })
             .collect(),
     )
-}
-
-/// Median and spread of `v`; `None` if empty.
-fn spread_of(mut v: Vec<f64>) -> Option<Stat> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    let median = if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    };
-    Some(Stat {
-        median,
-        min: v[0],
-        max: v[n - 1],
-    })
 }
 
 /// The peers' names in table order for one thread count: direct, then the proxies.

@@ -23,6 +23,7 @@
 //! - [`stunnel`]: TLS-speaking nodes (stunnel in front of a plain valkey-server).
 //! - [`fuzz`]: the seeded RNG and run settings of the time-bounded mutation fuzzers.
 //! - [`tcp_table`]: the kernel's table of TCP sockets, for a socket's keepalive timer.
+//! - [`stats`]: the median and spread over rounds that the load harnesses report.
 
 pub mod addr;
 pub mod clients;
@@ -31,6 +32,7 @@ pub mod http;
 pub mod procs;
 pub mod proxy_process;
 pub mod routes;
+pub mod stats;
 pub mod stunnel;
 pub mod tcp_table;
 pub mod tls;

@@ -25,6 +25,7 @@ use redis::AsyncCommands as _;
 use shardgate_controller::external::proxy::COMPONENT_PROXY;
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
+use shardgate_harness::stats::spread;
 use shardgate_harness::tools::BenchmarkReport as Report;
 use shardgate_kube_harness::{ControlPlane, Options};
 use shardgate_operator_e2e::external::{
@@ -743,26 +744,30 @@ async fn one_client(
 
 // === the report ===
 
-/// Median, min and max of `values` (not empty).
-fn spread(mut values: Vec<f64>) -> (f64, f64, f64) {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    let median = if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    };
-    (median, values[0], values[n - 1])
+/// A table row: the workload, then its cells.
+fn row(md: &mut String, workload: &str, cells: [String; 6]) -> std::fmt::Result {
+    writeln!(md, "| {workload} | {} |", cells.join(" | "))
 }
 
-/// `median (min–max)`, or the median alone for one round.
-fn show(values: Vec<f64>, digits: usize) -> String {
-    let rounds = values.len();
-    let (m, lo, hi) = spread(values);
-    if rounds == 1 {
-        format!("{m:.digits$}")
-    } else {
-        format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})")
+/// The data plane's CPU over a run, in µs per request.
+fn cpu_us(s: &Sample) -> Option<f64> {
+    s.cpu_s.map(|c| c / s.requests as f64 * 1e6)
+}
+
+/// The relay's CPU over a run, in µs per request.
+fn relay_us(s: &Sample) -> Option<f64> {
+    s.relay_cpu_s.map(|c| c / s.requests as f64 * 1e6)
+}
+
+/// `median (min–max)`, the median alone for one round, `–` for none.
+fn show(values: &[f64], digits: usize) -> String {
+    match spread(values.to_vec()) {
+        None => "–".into(),
+        Some(s) if values.len() == 1 => format!("{:.digits$}", s.median),
+        Some(s) => format!(
+            "{:.digits$} ({:.digits$}–{:.digits$})",
+            s.median, s.min, s.max
+        ),
     }
 }
 
@@ -875,14 +880,13 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
             .collect::<Option<Vec<f64>>>()
             .filter(|v| !v.is_empty())
     };
-    let cell =
-        |v: &Option<Vec<f64>>, digits: usize| v.clone().map_or("–".into(), |v| show(v, digits));
-    let ratio = |top: &Option<Vec<f64>>, bottom: &Option<Vec<f64>>| match (top, bottom) {
-        (Some(t), Some(b)) if spread(b.clone()).0 > 0.0 => {
-            format!("{:.2}", spread(t.clone()).0 / spread(b.clone()).0)
-        }
-        _ => "–".into(),
-    };
+    let cell = |v: &Option<Vec<f64>>, digits: usize| show(v.as_deref().unwrap_or_default(), digits);
+    let median = |v: &Option<Vec<f64>>| spread(v.clone()?).map(|s| s.median);
+    let ratio =
+        |top: &Option<Vec<f64>>, bottom: &Option<Vec<f64>>| match (median(top), median(bottom)) {
+            (Some(t), Some(b)) if b > 0.0 => format!("{:.2}", t / b),
+            _ => "–".into(),
+        };
     for w in &WORKLOADS {
         for m in Mode::ALL {
             ensure!(
@@ -893,7 +897,6 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
             );
         }
     }
-    let per_req = |c: Option<f64>, s: &Sample| c.map(|c| c / s.requests as f64 * 1e6);
 
     writeln!(md, "## Requests/s\n")?;
     writeln!(
@@ -904,16 +907,17 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
     writeln!(md, "|---|---:|---:|---:|---:|---:|---:|")?;
     for w in &WORKLOADS {
         let [l, g, p] = Mode::ALL.map(|m| of(w.name, m, |s| Some(s.rps)));
-        writeln!(
-            md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+        row(
+            &mut md,
             w.name,
-            cell(&l, 0),
-            cell(&g, 0),
-            cell(&p, 0),
-            ratio(&p, &g),
-            ratio(&g, &l),
-            ratio(&p, &l),
+            [
+                cell(&l, 0),
+                cell(&g, 0),
+                cell(&p, 0),
+                ratio(&p, &g),
+                ratio(&g, &l),
+                ratio(&p, &l),
+            ],
         )?;
     }
 
@@ -927,16 +931,17 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
     for w in &WORKLOADS {
         let [l50, g50, p50] = Mode::ALL.map(|m| of(w.name, m, |s| Some(s.p50_ms)));
         let [l99, g99, p99] = Mode::ALL.map(|m| of(w.name, m, |s| Some(s.p99_ms)));
-        writeln!(
-            md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+        row(
+            &mut md,
             w.name,
-            cell(&l50, 3),
-            cell(&g50, 3),
-            cell(&p50, 3),
-            cell(&l99, 3),
-            cell(&g99, 3),
-            cell(&p99, 3),
+            [
+                cell(&l50, 3),
+                cell(&g50, 3),
+                cell(&p50, 3),
+                cell(&l99, 3),
+                cell(&g99, 3),
+                cell(&p99, 3),
+            ],
         )?;
     }
 
@@ -955,34 +960,22 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
     )?;
     writeln!(md, "|---|---:|---:|---:|---:|---:|---:|")?;
     for w in &WORKLOADS {
-        let of_cpu = |m: Mode| {
-            let v: Option<Vec<f64>> = samples
-                .iter()
-                .filter(|s| s.workload == w.name && s.mode == m)
-                .map(|s| per_req(s.cpu_s, s))
-                .collect();
-            v.filter(|v| !v.is_empty())
-        };
-        let of_relay = |m: Mode| {
-            let v: Option<Vec<f64>> = samples
-                .iter()
-                .filter(|s| s.workload == w.name && s.mode == m)
-                .map(|s| per_req(s.relay_cpu_s, s))
-                .collect();
-            v.filter(|v| !v.is_empty())
-        };
-        let (g, p) = (of_cpu(Mode::Gateway), of_cpu(Mode::Proxy));
-        let [rl, rg, rp] = Mode::ALL.map(of_relay);
-        writeln!(
-            md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+        let (g, p) = (
+            of(w.name, Mode::Gateway, cpu_us),
+            of(w.name, Mode::Proxy, cpu_us),
+        );
+        let [rl, rg, rp] = Mode::ALL.map(|m| of(w.name, m, relay_us));
+        row(
+            &mut md,
             w.name,
-            cell(&g, 2),
-            cell(&p, 2),
-            ratio(&p, &g),
-            cell(&rl, 2),
-            cell(&rg, 2),
-            cell(&rp, 2),
+            [
+                cell(&g, 2),
+                cell(&p, 2),
+                ratio(&p, &g),
+                cell(&rl, 2),
+                cell(&rg, 2),
+                cell(&rp, 2),
+            ],
         )?;
     }
 
@@ -1017,11 +1010,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn medians_and_spread() {
-        assert_eq!(spread(vec![3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
-        assert_eq!(spread(vec![4.0, 1.0, 2.0, 3.0]), (2.5, 1.0, 4.0));
-        assert_eq!(show(vec![2.0], 1), "2.0");
-        assert_eq!(show(vec![1.0, 3.0, 2.0], 0), "2 (1–3)");
+    fn cells() {
+        assert_eq!(show(&[2.0], 1), "2.0");
+        assert_eq!(show(&[1.0, 3.0, 2.0], 0), "2 (1–3)");
+        assert_eq!(show(&[], 0), "–");
     }
 
     /// One round of every workload on every path, with hand-picked figures: the tables show
