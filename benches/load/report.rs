@@ -6,6 +6,9 @@ use std::fmt::Write as _;
 use std::process::Command;
 use std::time::Duration;
 
+use shardgate_harness::stats::spread as spread_of;
+pub use shardgate_harness::stats::Stat;
+
 use crate::peers::{Kind, Peer};
 use crate::{Settings, Workload};
 
@@ -56,9 +59,6 @@ impl Sample {
         s
     }
 }
-
-use shardgate_harness::stats::spread as spread_of;
-pub use shardgate_harness::stats::Stat;
 
 pub fn stat(
     samples: &[Sample],

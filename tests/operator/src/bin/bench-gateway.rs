@@ -17,7 +17,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
-// What a run reported: redis-benchmark's, or the Rust client's in the same terms.
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::Client;
@@ -26,6 +25,7 @@ use shardgate_controller::external::proxy::COMPONENT_PROXY;
 use shardgate_crds::names::labels;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_harness::stats::spread;
+// What a run reported: redis-benchmark's, or the Rust client's in the same terms.
 use shardgate_harness::tools::BenchmarkReport as Report;
 use shardgate_kube_harness::{ControlPlane, Options};
 use shardgate_operator_e2e::external::{
@@ -48,7 +48,8 @@ docs/performance-gateway.md: requests/s, p50/p99 latency, the data plane's CPU p
 (Traefik's process, the proxy pod's process) and the LoadBalancer relay's, medians over
 rounds with their min-max spread.
 
-  --rounds N   rounds of every workload on both paths (default 3)
+  --rounds N   rounds of every workload on all three paths (default 3; a multiple of 3
+               gives each path the first slot of a workload equally often)
   --quick      1 round of fewer requests: a smoke run
   --out DIR    write performance-gateway.md to DIR instead of docs/
   --note TEXT  a line added to the report's header (e.g. what else the machine was doing)
@@ -110,12 +111,12 @@ fn main() -> Result<()> {
         println!("{HELP}");
         return Ok(());
     };
-    // The LoadBalancer relay that both paths cross runs in this process: a debug build
+    // The LoadBalancer relay that every path crosses runs in this process: a debug build
     // would make it, not the data planes, what the run measures.
     ensure!(
         !cfg!(debug_assertions),
         "bench-gateway is a release build's job (scripts/bench-gateway runs it so): the \
-         harness's LoadBalancer relay, which both measured paths cross, runs in this process"
+         harness's LoadBalancer relay, which every measured path crosses, runs in this process"
     );
     let tools = Tools::find()?;
     let started = Instant::now();
@@ -144,8 +145,8 @@ fn main() -> Result<()> {
     // plane; its shutdown (the agent's thread, the daemons) blocks, so not on the runtime.
     drop(runtime);
     cp.shutdown();
-    let samples = result?;
-    let text = report(&args, &tools, &samples, started.elapsed())?;
+    let (samples, relay_idle) = result?;
+    let text = report(&args, &tools, &samples, relay_idle, started.elapsed())?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let path = args.out.join("performance-gateway.md");
@@ -297,7 +298,8 @@ struct Target {
     pid: Option<u32>,
 }
 
-async fn bench(cp: &ControlPlane, args: &Args) -> Result<Vec<Sample>> {
+/// The samples, and the node agent's CPU seconds per second while no load ran.
+async fn bench(cp: &ControlPlane, args: &Args) -> Result<(Vec<Sample>, f64)> {
     let client = cp.client()?;
     let ns = cp.namespace("bench-gateway").await?;
     let started = Instant::now();
@@ -381,10 +383,30 @@ async fn bench(cp: &ControlPlane, args: &Args) -> Result<Vec<Sample>> {
         "the node agent's threads (the LoadBalancer relay) are not found in this process"
     );
 
-    let samples = run_rounds(&targets, args).await;
+    let relay_idle = relay_idle_rate().await?;
+    println!(
+        "  the node agent's threads use {:.1} ms of CPU per second with no load: taken off \
+         each run's relay CPU",
+        relay_idle * 1e3
+    );
+    let samples = run_rounds(&targets, args, relay_idle).await;
     gateway.traefik.check_running()?;
     operator.stop().await;
-    samples
+    Ok((samples?, relay_idle))
+}
+
+/// How long the node agent's idle CPU is measured.
+const IDLE_WINDOW: Duration = Duration::from_secs(5);
+
+/// The node agent's CPU seconds per second with no load: it lists the Pods and Services
+/// every tick and probes the pods, work that a run's relay CPU would otherwise count in
+/// proportion to the run's length rather than its requests.
+async fn relay_idle_rate() -> Result<f64> {
+    let before = relay_cpu_seconds().context("the node agent's threads")?;
+    let started = Instant::now();
+    tokio::time::sleep(IDLE_WINDOW).await;
+    let after = relay_cpu_seconds().context("the node agent's threads")?;
+    Ok((after - before) / started.elapsed().as_secs_f64())
 }
 
 /// `externalAccess` for the control: announce mode, one LoadBalancer Service per shard (the
@@ -476,8 +498,8 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 /// LoadBalancer relay runs on them, in this process.
 const RELAY_THREADS: &str = "node-agent";
 
-/// On-CPU time of this process's node-agent threads: the LoadBalancer relay's (with the
-/// agent's own bookkeeping, which is idle while the load runs). `None` if there are none.
+/// On-CPU time of this process's node-agent threads: the LoadBalancer relay's, with the
+/// agent's own work (see [`relay_idle_rate`]). `None` if there are none.
 fn relay_cpu_seconds() -> Option<f64> {
     threads_cpu_seconds("/proc/self/task", |task| {
         std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.trim_end() == RELAY_THREADS)
@@ -601,7 +623,7 @@ struct Sample {
     relay_cpu_s: Option<f64>,
 }
 
-async fn run_rounds(targets: &[Target; 3], args: &Args) -> Result<Vec<Sample>> {
+async fn run_rounds(targets: &[Target; 3], args: &Args, relay_idle: f64) -> Result<Vec<Sample>> {
     for t in targets {
         let seed = t.seed;
         tokio::task::spawn_blocking(move || redis_benchmark(seed, "set", 1, WARM_UP))
@@ -614,7 +636,7 @@ async fn run_rounds(targets: &[Target; 3], args: &Args) -> Result<Vec<Sample>> {
             // Rotate which path goes first, so none always runs on a warmer machine.
             let first = (round as usize + i) % targets.len();
             for t in targets[first..].iter().chain(&targets[..first]) {
-                let s = measure(t, w, requests(w, args.quick), round).await?;
+                let s = measure(t, w, requests(w, args.quick), round, relay_idle).await?;
                 println!(
                     "  round {}/{} {:<16} {:<18} {:>9.0} req/s  p50 {:.3} ms  p99 {:.3} ms{}{}",
                     round + 1,
@@ -640,7 +662,14 @@ async fn run_rounds(targets: &[Target; 3], args: &Args) -> Result<Vec<Sample>> {
     Ok(samples)
 }
 
-async fn measure(t: &Target, w: &Workload, requests: u64, round: u32) -> Result<Sample> {
+/// One run; its relay CPU less the node agent's idle rate over the run's length.
+async fn measure(
+    t: &Target,
+    w: &Workload,
+    requests: u64,
+    round: u32,
+    relay_idle: f64,
+) -> Result<Sample> {
     let seed = t.seed;
     // Connected before the clock starts: the run measures requests, not a handshake.
     let conn = match w.load {
@@ -649,6 +678,7 @@ async fn measure(t: &Target, w: &Workload, requests: u64, round: u32) -> Result<
     };
     let before = t.pid.and_then(cpu_seconds);
     let relay_before = relay_cpu_seconds();
+    let started = Instant::now();
     let r = match (w.load, conn) {
         (Load::Benchmark { test, pipeline }, _) => {
             tokio::task::spawn_blocking(move || redis_benchmark(seed, test, pipeline, requests))
@@ -660,6 +690,7 @@ async fn measure(t: &Target, w: &Workload, requests: u64, round: u32) -> Result<
     };
     let after = t.pid.and_then(cpu_seconds);
     let relay_after = relay_cpu_seconds();
+    let idle = relay_idle * started.elapsed().as_secs_f64();
     Ok(Sample {
         workload: w.name,
         mode: t.mode,
@@ -669,7 +700,7 @@ async fn measure(t: &Target, w: &Workload, requests: u64, round: u32) -> Result<
         p50_ms: r.p50_ms,
         p99_ms: r.p99_ms,
         cpu_s: before.zip(after).map(|(b, a)| a - b),
-        relay_cpu_s: relay_before.zip(relay_after).map(|(b, a)| a - b),
+        relay_cpu_s: relay_before.zip(relay_after).map(|(b, a)| a - b - idle),
     })
 }
 
@@ -771,7 +802,13 @@ fn show(values: &[f64], digits: usize) -> String {
     }
 }
 
-fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Result<String> {
+fn report(
+    args: &Args,
+    tools: &Tools,
+    samples: &[Sample],
+    relay_idle: f64,
+    took: Duration,
+) -> Result<String> {
     let date = k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC");
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let load = std::fs::read_to_string("/proc/loadavg")
@@ -826,7 +863,7 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
          → Valkey, and proxy mode client → relay → shardgate → Valkey: what a data plane \
          costs is its row against `lb`'s. A real LoadBalancer (cloud, MetalLB, IPVS) does \
          the relay's hop in the kernel or the network; here it takes two reads and two \
-         writes per request on every path and a share of the two cores, so absolute \
+         writes per round trip on every path and a share of the two cores, so absolute \
          requests/s and latency are lower than a cluster's would be. The relay's CPU is \
          measured apart (the node agent's threads), as a check that it does the same work \
          for each path. For the data planes alone, one hop each in front of the same Valkey, \
@@ -866,7 +903,8 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
             "redis-benchmark in `--cluster` mode runs a thread per primary and stops only on \
              its {:.0} ms throughput timer, so each run's time is overstated by up to {tick:.2} \
              s and its requests/s understated: the shortest run here took {t:.1} s, so by \
-             {:.1}% at most (the same bound on every path, by a uniform draw each run).\n",
+             {:.1}% at most (a draw per run, relatively largest on the fastest path's \
+             runs).\n",
             tick * 1e3,
             tick / t * 100.0,
         )?;
@@ -951,7 +989,12 @@ fn report(args: &Args, tools: &Tools, samples: &[Sample], took: Duration) -> Res
         "Data plane: on-CPU time of the Traefik process and of the proxy pod's process \
          (`/proc/<pid>/task/*/schedstat`) over the run, divided by its requests (`–`: the \
          process was not found). Relay: the same for the node agent's threads in this \
-         process, which carry every path's LoadBalancer hop.\n"
+         process, which carry every path's LoadBalancer hop, less the agent's own work \
+         (listing Pods and Services every tick, probing the pods: {:.1} ms of CPU per \
+         second, measured over {:.0?} with no load before the first round) for the run's \
+         length.\n",
+        relay_idle * 1e3,
+        IDLE_WINDOW
     )?;
     writeln!(
         md,
@@ -1050,7 +1093,7 @@ mod tests {
             note: None,
         };
         let tools = Tools { versions: vec![] };
-        let md = report(&args, &tools, &samples, Duration::from_secs(1)).expect("a report");
+        let md = report(&args, &tools, &samples, 0.002, Duration::from_secs(1)).expect("a report");
         // Requests/s: the three paths, proxy / gateway, gateway / LB, proxy / LB.
         assert!(
             md.contains("| SET P1 | 100 | 50 | 60 | 1.20 | 0.50 | 0.60 |"),
@@ -1071,6 +1114,8 @@ mod tests {
             ),
             "{md}"
         );
+        // The node agent's idle rate taken off the relay's figures, as stated.
+        assert!(md.contains("2.0 ms of CPU per second"), "{md}");
         // The timer's bound, from the shortest redis-benchmark run (100,000 at 100 req/s).
         assert!(
             md.contains("the shortest run here took 1000.0 s, so by 0.0% at most"),
@@ -1082,6 +1127,6 @@ mod tests {
             .filter(|s| s.mode != Mode::Proxy)
             .cloned()
             .collect();
-        assert!(report(&args, &tools, &some, Duration::from_secs(1)).is_err());
+        assert!(report(&args, &tools, &some, 0.002, Duration::from_secs(1)).is_err());
     }
 }
