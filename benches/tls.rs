@@ -376,7 +376,7 @@ fn main() {
     println!(
         "proxy: 1 worker thread; redis-benchmark -t get -c 50 -d 64; {requests} requests per \
          case ({reconnect} for the reconnect cases, 4 times as many at pipeline 16); {rounds} \
-         rounds, the cases' order rotating\n"
+         rounds, the cases' order rotating and reversing\n"
     );
     println!(
         "{:<6} {:<18} {:>9} {:>11} {:>10} {:>10} {:>11} {:>6}",
