@@ -152,7 +152,7 @@ impl Source for tcp::ReadHalf<'_> {
 /// calls that switch cancellation on and off (about 30 instructions per read, which this
 /// thread never needs). Elsewhere rustix calls libc's, as tokio does.
 #[inline(always)]
-fn read_now(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+pub(super) fn read_now(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     let mut got = None;
     let read = stream.try_io(Interest::READABLE, || {
         let n = recv(stream, buf)?;

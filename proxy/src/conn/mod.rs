@@ -13,6 +13,7 @@
 //!   second (most that end sooner never need it).
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
+//! - [`tls_session`]: a terminated TLS session, read and written by the copy loop itself.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
 //!   then pass the TLS stream through or terminate it and forward.
 
@@ -20,6 +21,7 @@ mod buffers;
 mod join;
 mod keepalive;
 mod sink;
+mod tls_session;
 mod watch;
 pub mod forward;
 pub mod listener;

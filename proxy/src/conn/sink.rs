@@ -33,14 +33,14 @@ pub trait Sink: AsyncWrite + Unpin + Send {
 /// point, wrapped in two calls that switch cancellation on and off (about 30 instructions
 /// per write, which this thread never needs).
 #[cfg(all(unix, not(target_vendor = "apple")))]
-fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
+pub(super) fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
     Ok(rustix::net::send(stream, bytes, rustix::net::SendFlags::NOSIGNAL)?)
 }
 
 /// Apple systems have no `MSG_NOSIGNAL`; their sockets are made with `SO_NOSIGPIPE` (socket2
 /// and mio set it, and accepted sockets inherit it).
 #[cfg(not(all(unix, not(target_vendor = "apple"))))]
-fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
+pub(super) fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
     socket2::SockRef::from(stream).send(bytes)
 }
 

@@ -25,6 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use super::buffers::Held;
 use super::forward::{Addresses, Closed, ForwardError, Forwarder, Side};
 use super::listener::{Handshake, Refusals, MAX_CLIENTS_REPLY};
+use super::tls_session::TlsSession;
 use crate::dial::BackendTls;
 use crate::metrics::{Metrics, ReasonLabels, TlsTargetLabels, TlsVersionLabels};
 use crate::model::{Backend, Route};
@@ -295,8 +296,13 @@ impl TlsServer {
         backend_tls: Option<&BackendTls>,
         selected: &Selected,
     ) -> Result<Closed, ForwardError> {
-        let (cr, cw) = tokio::io::split(client);
-        let cr = Held(cr);
+        let (io, conn) = client.into_inner();
+        let (early, tcp) = io.into_parts();
+        let session = TlsSession::new(tcp, conn, &early).map_err(|source| ForwardError::Io {
+            side: Side::Client,
+            source,
+        })?;
+        let (cr, cw) = session.split();
         match backend_tls {
             None => {
                 let (mut backend, route) = self.dial(selected, |r| &r.backend).await?;

@@ -20,6 +20,11 @@ impl<I> PrefixedIo<I> {
         PrefixedIo { prefix, io }
     }
 
+    /// What is left of the prefix, and the stream.
+    pub fn into_parts(self) -> (BytesMut, I) {
+        (self.prefix, self.io)
+    }
+
 }
 
 impl<I: AsyncRead + Unpin> AsyncRead for PrefixedIo<I> {

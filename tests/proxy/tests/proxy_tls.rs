@@ -281,6 +281,42 @@ async fn terminate_routes_every_name_and_hands_out_sni_names() {
         .unwrap();
     let moved = text(&command(&mut n0, &["GET", &key]).await.unwrap());
     assert_eq!(moved, format!("MOVED {slot} {}:{tls_port}", name(2, 0)));
+    // Byte for byte what the node says to a direct client: a pipelined burst whose 3 MiB
+    // value is more than a socket, a read buffer or rustls's queue of records holds, each
+    // way.
+    let value: String = (0..3 << 20)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let own = *cluster.spec().initial_slots(0u32).start();
+    let big = format!("{}big", slot_tags()[usize::from(own)]);
+    let burst: &[&[&str]] = &[
+        &["SET", &big, &value],
+        &["PING"],
+        &["GET", &big],
+        &["STRLEN", &big],
+        // Last, so that nothing after it pushes out what the socket did not take.
+        &["GET", &big],
+    ];
+    let mut direct = TcpStream::connect(cluster.node(NodeRef::new(0, 0)).addr())
+        .await
+        .unwrap();
+    let want = pipeline(&mut direct, burst).await;
+    assert!(
+        want.len() > 6 << 20,
+        "the node's replies: {} bytes",
+        want.len()
+    );
+    let mut big_tls = ttls::connect(p.tls, &name(0, 0), config.clone())
+        .await
+        .unwrap();
+    let got = pipeline(&mut big_tls, burst).await;
+    assert!(
+        got == want,
+        "{} bytes through TLS, {} direct",
+        got.len(),
+        want.len()
+    );
+
     // The plain ports keep handing out the advertised host and their own ports.
     let mut plain = TcpStream::connect((LO, base)).await.unwrap();
     let moved = text(&command(&mut plain, &["GET", &key]).await.unwrap());
@@ -1057,6 +1093,8 @@ where
         }
     }
     stream.write_all(&req).await.unwrap();
+    // A TLS stream may hold the last records until flushed.
+    stream.flush().await.unwrap();
     let mut out = vec![];
     let mut buf = [0u8; 4096];
     let frames = |bytes: &[u8]| {
