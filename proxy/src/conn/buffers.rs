@@ -214,7 +214,9 @@ mod tests {
 
     async fn pair() -> (TcpStream, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
         let (server, _) = listener.accept().await.unwrap();
         (client, server)
     }
@@ -276,12 +278,18 @@ mod tests {
         assert_eq!(again.as_ptr(), addr, "the freed buffer is handed out again");
         drop(again);
         let other = Buffer::take(1024);
-        assert_eq!(other.len(), 1024, "a buffer of another size is not handed out");
+        assert_eq!(
+            other.len(),
+            1024,
+            "a buffer of another size is not handed out"
+        );
     }
 
     #[test]
     fn the_free_list_is_bounded() {
-        let many: Vec<Buffer> = (0..KEEP_PER_THREAD + 10).map(|_| Buffer::take(64)).collect();
+        let many: Vec<Buffer> = (0..KEEP_PER_THREAD + 10)
+            .map(|_| Buffer::take(64))
+            .collect();
         drop(many);
         let kept = FREE.with(|f| f.borrow().len());
         assert_eq!(kept, KEEP_PER_THREAD);

@@ -32,8 +32,8 @@ use tokio_rustls::client::TlsStream;
 
 use super::buffers::{Buffer, Held, Source};
 use super::join::try_join;
-use super::sink::Sink;
 use super::keepalive::LateKeepalive;
+use super::sink::Sink;
 use super::watch::{watch, Activity, HardStop, Watched};
 use crate::dial::{BackendTls, BackendTlsRx, DialError, Dialer};
 use crate::metrics::{
@@ -705,7 +705,9 @@ async fn write_through<W: Sink>(to: &mut W, mut bytes: &[u8]) -> std::io::Result
     std::future::poll_fn(|cx| {
         while !bytes.is_empty() {
             match Pin::new(&mut *to).poll_write(cx, bytes) {
-                Poll::Ready(Ok(0)) => return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()))
+                }
                 Poll::Ready(Ok(n)) => bytes = &bytes[n..],
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
@@ -852,16 +854,14 @@ mod tests {
             buf: &[u8],
         ) -> Poll<io::Result<usize>> {
             let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-            self.waiting.send_if_modified(|w| std::mem::replace(w, r.is_pending()) != *w);
+            self.waiting
+                .send_if_modified(|w| std::mem::replace(w, r.is_pending()) != *w);
             r
         }
         fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
             Pin::new(&mut self.inner).poll_flush(cx)
         }
-        fn poll_shutdown(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<io::Result<()>> {
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
             Pin::new(&mut self.inner).poll_shutdown(cx)
         }
     }
@@ -926,11 +926,10 @@ mod tests {
                 got.extend_from_slice(&chunk[..n]);
             }
         };
-        let ((), got) = tokio::time::timeout(Duration::from_secs(60), async {
-            tokio::join!(write, read)
-        })
-        .await
-        .expect("the copy did not finish within a minute");
+        let ((), got) =
+            tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(write, read) })
+                .await
+                .expect("the copy did not finish within a minute");
         let expected: Vec<u8> = (0..WRITES).flat_map(|i| vec![i as u8; SIZE]).collect();
         assert!(got == expected, "bytes lost, duplicated or out of order");
         let refused = refused.load(Ordering::Relaxed);

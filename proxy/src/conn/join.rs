@@ -69,7 +69,11 @@ impl Branch {
 
     /// Keeps the task's waker for the wakes to come.
     fn register(&self, task: &Waker) {
-        let mut kept = self.mark.task.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut kept = self
+            .mark
+            .task
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         match &*kept {
             Some(k) if k.will_wake(task) => {}
             _ => *kept = Some(task.clone()),
@@ -330,7 +334,11 @@ mod tests {
         b.end(Ok(()));
         b.wake();
         assert_eq!(poll(join.as_mut(), &task), Poll::Ready(Ok(())));
-        assert_eq!((a.polls(), b.polls()), (2, 2), "an ended branch is not polled again");
+        assert_eq!(
+            (a.polls(), b.polls()),
+            (2, 2),
+            "an ended branch is not polled again"
+        );
 
         for failing in [0, 1] {
             let (a, b) = (Probe::default(), Probe::default());

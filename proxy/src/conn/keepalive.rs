@@ -140,12 +140,20 @@ mod tests {
         assert!(!k.take_due(&waker));
         assert_eq!(wakes.0.load(Ordering::Relaxed), 0);
         k.come_due();
-        assert_eq!(wakes.0.load(Ordering::Relaxed), 1, "the waiting reader is woken");
+        assert_eq!(
+            wakes.0.load(Ordering::Relaxed),
+            1,
+            "the waiting reader is woken"
+        );
         assert!(k.take_due(&waker), "due: set it");
         assert!(!k.take_due(&waker), "set once");
         assert!(!k.pending());
         k.come_due();
-        assert_eq!(wakes.0.load(Ordering::Relaxed), 1, "nothing more after it is set");
+        assert_eq!(
+            wakes.0.load(Ordering::Relaxed),
+            1,
+            "nothing more after it is set"
+        );
     }
 
     #[test]

@@ -151,7 +151,9 @@ impl Listeners {
             let Some(slot) = self.per_source.take(source) else {
                 self.reject("source_handshake_limit");
                 self.metrics.tls.refuse("source_handshake_limit");
-                if let Some(suppressed) = self.refusals.due(&("source_handshake_limit", Some(source))) {
+                if let Some(suppressed) =
+                    self.refusals.due(&("source_handshake_limit", Some(source)))
+                {
                     tracing::warn!(
                         port,
                         %source,

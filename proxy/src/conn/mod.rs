@@ -18,16 +18,16 @@
 //!   then pass the TLS stream through or terminate it and forward.
 
 mod buffers;
+pub mod forward;
 mod join;
 mod keepalive;
+pub mod listener;
 mod sink;
+pub mod tls_port;
 mod tls_session;
 mod watch;
-pub mod forward;
-pub mod listener;
-pub mod tls_port;
 
 pub use forward::Forwarder;
-pub use watch::HardStop;
 pub use listener::Listeners;
 pub use tls_port::TlsServer;
+pub use watch::HardStop;

@@ -34,7 +34,11 @@ pub trait Sink: AsyncWrite + Unpin + Send {
 /// per write, which this thread never needs).
 #[cfg(all(unix, not(target_vendor = "apple")))]
 pub(super) fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
-    Ok(rustix::net::send(stream, bytes, rustix::net::SendFlags::NOSIGNAL)?)
+    Ok(rustix::net::send(
+        stream,
+        bytes,
+        rustix::net::SendFlags::NOSIGNAL,
+    )?)
 }
 
 /// Apple systems have no `MSG_NOSIGNAL`; their sockets are made with `SO_NOSIGPIPE` (socket2
@@ -87,7 +91,9 @@ mod tests {
     #[tokio::test]
     async fn write_now_to_a_closed_peer_is_an_error() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut dialled = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let mut dialled = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
         let (accepted, _) = listener.accept().await.unwrap();
         // A reset, not a FIN: the next write fails at once.
         socket2::SockRef::from(&accepted)

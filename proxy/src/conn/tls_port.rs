@@ -180,7 +180,11 @@ impl TlsServer {
                     .handshakes
                     .get_or_create(&TlsVersionLabels { version })
                     .inc();
-                let backend = self.forwarder.backend_tls.as_ref().map(|t| t.borrow().clone());
+                let backend = self
+                    .forwarder
+                    .backend_tls
+                    .as_ref()
+                    .map(|t| t.borrow().clone());
                 let shown = first.dialled(backend.is_some()).clone();
                 let open = self.forwarder.opened(self.port);
                 let outcome = self.terminate(client, backend.as_deref(), &selected).await;
@@ -214,7 +218,12 @@ impl TlsServer {
                     })
                     .inc();
                 if let Some(suppressed) = self.refusals.due(&("connection_limit", None)) {
-                    tracing::warn!(port = self.port, ?peer, suppressed, "connection limit reached; closing");
+                    tracing::warn!(
+                        port = self.port,
+                        ?peer,
+                        suppressed,
+                        "connection limit reached; closing"
+                    );
                 }
                 None
             }

@@ -137,7 +137,11 @@ fn push(conn: &mut ServerConnection, tcp: &TcpStream) -> io::Result<()> {
 }
 
 /// Writes what rustls has queued, waiting for the socket as it fills.
-fn poll_push(conn: &mut ServerConnection, tcp: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+fn poll_push(
+    conn: &mut ServerConnection,
+    tcp: &TcpStream,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<()>> {
     while conn.wants_write() {
         match conn.write_tls(&mut SocketWrite::Waiting(tcp)) {
             Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
@@ -213,7 +217,11 @@ impl Source for TlsReader<'_> {
 }
 
 impl TlsWriter<'_> {
-    fn poll_write_inner(&mut self, cx: Option<&mut Context<'_>>, bytes: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write_inner(
+        &mut self,
+        cx: Option<&mut Context<'_>>,
+        bytes: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let tcp = &self.session.tcp;
         let mut conn = self.session.lock();
         let mut cx = cx;
@@ -238,7 +246,11 @@ impl TlsWriter<'_> {
 }
 
 impl AsyncWrite for TlsWriter<'_> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, bytes: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bytes: &[u8],
+    ) -> Poll<io::Result<usize>> {
         if bytes.is_empty() {
             return Poll::Ready(Ok(0));
         }
@@ -417,7 +429,10 @@ mod tests {
             let mut read = std::pin::pin!(r.read_into(&mut slot, SIZE, None));
             let waker = std::task::Waker::noop();
             let polled = read.as_mut().poll(&mut Context::from_waker(waker));
-            assert!(polled.is_pending(), "nothing was sent, yet the read returned");
+            assert!(
+                polled.is_pending(),
+                "nothing was sent, yet the read returned"
+            );
         }
         assert!(slot.is_none(), "the waiting read took a buffer");
         client.write_all(b"PING\r\n").await?;
@@ -465,10 +480,7 @@ mod tests {
         client.get_mut().0.shutdown().await?;
         assert_eq!(read(&mut r, &mut slot).await?, b"GET k\r\n");
         let end = read(&mut r, &mut slot).await.map(|b| b.len());
-        assert_eq!(
-            end.map_err(|e| e.kind()),
-            Err(io::ErrorKind::UnexpectedEof)
-        );
+        assert_eq!(end.map_err(|e| e.kind()), Err(io::ErrorKind::UnexpectedEof));
         Ok(())
     }
 
@@ -483,10 +495,15 @@ mod tests {
         let mut record = vec![0x17, 0x03, 0x03, 0x00, 0x20];
         record.extend([0x5a; 32]);
         client.get_mut().0.write_all(&record).await?;
-        let err = read(&mut r, &mut slot).await.expect_err("a forged record was accepted");
+        let err = read(&mut r, &mut slot)
+            .await
+            .expect_err("a forged record was accepted");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         let mut back = Vec::new();
-        let told = client.read_to_end(&mut back).await.expect_err("no alert came");
+        let told = client
+            .read_to_end(&mut back)
+            .await
+            .expect_err("no alert came");
         assert!(told.to_string().contains("BadRecordMac"), "{told}");
         Ok(())
     }

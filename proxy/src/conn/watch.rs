@@ -130,7 +130,10 @@ impl Idle {
         // Cannot overflow unless the connection stayed busy for longer than a timeout that
         // `new` found twice too short to overflow.
         let due = self.quiet_since.checked_add(self.timeout)?;
-        (due > now).then(|| now.checked_add(self.every).map_or(due, |look| look.min(due)))
+        (due > now).then(|| {
+            now.checked_add(self.every)
+                .map_or(due, |look| look.min(due))
+        })
     }
 }
 
@@ -477,7 +480,8 @@ mod tests {
             let mut units: Option<usize> = None;
             let copy = std::future::poll_fn(|cx| {
                 let spend = |cx: &mut Context<'_>| {
-                    let unit = std::pin::pin!(tokio::task::coop::cooperative(std::future::ready(())));
+                    let unit =
+                        std::pin::pin!(tokio::task::coop::cooperative(std::future::ready(())));
                     unit.poll(cx).is_ready()
                 };
                 match units {
@@ -491,9 +495,16 @@ mod tests {
                 }
                 Poll::<()>::Pending
             });
-            assert_eq!(run(copy, &stop, &clock).await, Watched::Idle, "keepalive timed {late}");
+            assert_eq!(
+                run(copy, &stop, &clock).await,
+                Watched::Idle,
+                "keepalive timed {late}"
+            );
             let quiet = started.elapsed();
-            assert!(quiet >= IDLE && quiet <= IDLE + IDLE / 8, "closed after {quiet:?}");
+            assert!(
+                quiet >= IDLE && quiet <= IDLE + IDLE / 8,
+                "closed after {quiet:?}"
+            );
         }
     }
 

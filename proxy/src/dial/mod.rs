@@ -276,8 +276,11 @@ mod tests {
     /// room and the SYN is sent again (about a second later).
     #[tokio::test]
     async fn a_connect_under_way_ends_established() {
-        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-        socket.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+        let socket =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket
+            .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
         // Backlog 0: one connection fills the queue.
         socket.listen(0).unwrap();
         let addr = socket.local_addr().unwrap().as_socket().unwrap();
@@ -286,7 +289,10 @@ mod tests {
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
-        assert!(!pending.is_finished(), "the SYN was dropped, so the connect cannot be done");
+        assert!(
+            !pending.is_finished(),
+            "the SYN was dropped, so the connect cannot be done"
+        );
         let (_accepted, _) = socket.accept().unwrap();
         let stream = tokio::time::timeout(Duration::from_secs(30), pending)
             .await

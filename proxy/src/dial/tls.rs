@@ -78,7 +78,11 @@ impl BackendTlsConfig {
         match self {
             BackendTlsConfig::Plain => vec![],
             BackendTlsConfig::Tls { ca, identity, .. } => std::iter::once(ca.as_path())
-                .chain(identity.iter().flat_map(|i| [i.cert.as_path(), i.key.as_path()]))
+                .chain(
+                    identity
+                        .iter()
+                        .flat_map(|i| [i.cert.as_path(), i.key.as_path()]),
+                )
                 .collect(),
         }
     }
@@ -182,13 +186,12 @@ fn webpki_connector(
     let config = match (identity, identity_pem) {
         (Some(i), Some((cert, key))) => {
             let chain = certificates(&i.cert, cert)?;
-            let key = shardgate_admin_client::pem::private_key(key).map_err(|e| {
-                CertError::Pem {
+            let key =
+                shardgate_admin_client::pem::private_key(key).map_err(|e| CertError::Pem {
                     path: i.key.clone(),
                     what: "private key",
                     message: e.to_string(),
-                }
-            })?;
+                })?;
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|source| CertError::Rustls {

@@ -450,7 +450,10 @@ mod tests {
         alone.slots = vec![(100, 200)];
         let now = [shard("s-a", 0, vec![node("a1", true)]), alone];
         let (p, _) = a.assign(ports, &now, &agreed());
-        let j = p.iter().find(|(_, n)| n.id == "j").map(|(r, n)| (*r, n.primary));
+        let j = p
+            .iter()
+            .find(|(_, n)| n.id == "j")
+            .map(|(r, n)| (*r, n.primary));
         assert_eq!(j, Some((NodeRef::new(1, 0), true)));
     }
 
@@ -500,10 +503,18 @@ mod tests {
         let mut a = Assignment::default();
         let ports = Some(3);
         let a1 = || node("a1", true);
-        a.assign(ports, &[shard("s-a", 0, vec![a1(), node("a2", false)])], &agreed());
+        a.assign(
+            ports,
+            &[shard("s-a", 0, vec![a1(), node("a2", false)])],
+            &agreed(),
+        );
         // a2 leaves for good, and a3 takes its index.
         a.assign(ports, &[shard("s-a", 0, vec![a1()])], &agreed());
-        a.assign(ports, &[shard("s-a", 0, vec![a1(), node("a3", false)])], &agreed());
+        a.assign(
+            ports,
+            &[shard("s-a", 0, vec![a1(), node("a3", false)])],
+            &agreed(),
+        );
         // A view that lists a2 again and not a3, while another lists a3: a3 is held, and a2
         // takes the free index, not a3's.
         let back = [shard("s-a", 0, vec![a1(), node("a2", false)])];

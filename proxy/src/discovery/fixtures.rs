@@ -95,4 +95,3 @@ pub fn replica_line(id: &str, primary: &str, epoch: u64) -> NodeLine {
         ..line(id, "slave", epoch)
     }
 }
-

@@ -57,7 +57,10 @@ pub fn dial(timeout: Duration, tls: Option<&BackendTlsRx>) -> Dial {
 
 /// Asks the node at `addr` for its id (`CLUSTER MYID`).
 #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
-pub async fn node_id(addr: SocketAddr, dial: &Dial) -> Result<String, shardgate_admin_client::Error> {
+pub async fn node_id(
+    addr: SocketAddr,
+    dial: &Dial,
+) -> Result<String, shardgate_admin_client::Error> {
     Client::dial(addr, dial).await?.cluster_myid().await
 }
 

@@ -35,8 +35,7 @@ pub fn build(
     known: &Routes,
 ) -> Result<Table, DiscoveryError> {
     let shards = choice.shards.as_slice();
-    let (placed, mut skipped) =
-        assignment.assign(layout.ports_per_shard, shards, &choice.disputed);
+    let (placed, mut skipped) = assignment.assign(layout.ports_per_shard, shards, &choice.disputed);
     let stride = assignment.stride().unwrap_or(1);
     let shard_count = placed.iter().map(|(r, _)| r.shard.0 + 1).max().unwrap_or(1);
     let ports = PortLayout::new(

@@ -140,7 +140,9 @@ impl Answer {
         let mut lost: HashSet<usize> = HashSet::new();
         for (i, shard) in self.shards.iter_mut().enumerate() {
             shard.nodes.retain(|n| {
-                let primary = lines.get(n.id.as_str()).and_then(|l| l.primary_id.as_deref());
+                let primary = lines
+                    .get(n.id.as_str())
+                    .and_then(|l| l.primary_id.as_deref());
                 match primary.and_then(|p| home.get(p)) {
                     Some(&j) if j != i && !n.primary => {
                         moved.push((j, n.clone()));
@@ -211,7 +213,11 @@ impl Answer {
                 .max()
                 .unwrap_or(0);
             for &(a, b) in &shard.slots {
-                for slot in owner.iter_mut().take(usize::from(b) + 1).skip(usize::from(a)) {
+                for slot in owner
+                    .iter_mut()
+                    .take(usize::from(b) + 1)
+                    .skip(usize::from(a))
+                {
                     *slot = Some(slot.map_or(owner_epoch, |e| e.max(owner_epoch)));
                 }
             }
@@ -408,10 +414,7 @@ mod tests {
         // Alone, the midway answer puts FRESH with A1.
         let c = choose(vec![midway]).unwrap();
         assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
-        assert_eq!(
-            ids(&c.shards)[0],
-            with_fresh(A1, A2)
-        );
+        assert_eq!(ids(&c.shards)[0], with_fresh(A1, A2));
     }
 
     #[test]
@@ -427,10 +430,7 @@ mod tests {
         lagging.nodes[0].slots = vec![(0, 8191)];
         let c = choose(vec![lagging]).unwrap();
         assert_eq!(c.shards[0].slots, vec![(0, 8191)]);
-        assert_eq!(
-            ids(&c.shards)[1],
-            with_fresh(B1, B2)
-        );
+        assert_eq!(ids(&c.shards)[1], with_fresh(B1, B2));
     }
 
     #[test]
@@ -446,10 +446,7 @@ mod tests {
         let c = choose(vec![twice]).unwrap();
         assert_eq!(c.shards.len(), 2, "{:?}", ids(&c.shards));
         assert_eq!(c.shards[0].slots, vec![(0, 8191)]);
-        assert_eq!(
-            ids(&c.shards)[0],
-            with_fresh(A1, A2)
-        );
+        assert_eq!(ids(&c.shards)[0], with_fresh(A1, A2));
     }
 
     #[test]

@@ -395,7 +395,12 @@ impl Pairing {
     pub fn entries(&self) -> usize {
         // The transaction is looked at only in one: its vector is off the hot cache line.
         debug_assert!(self.in_multi || self.transaction.is_empty());
-        self.queue.len() + if self.in_multi { self.transaction.len() } else { 0 }
+        self.queue.len()
+            + if self.in_multi {
+                self.transaction.len()
+            } else {
+                0
+            }
     }
 
     /// Notes one command queued in the transaction (`expect`: its reply inside EXEC's).
@@ -467,8 +472,7 @@ impl Pairing {
             return;
         }
         let client_reply = name == b"client" && cmd.arg(1) == b"reply";
-        if (client_reply || name == b"multi") && !self.resp3_for_sure() && self.maybe_subscribed()
-        {
+        if (client_reply || name == b"multi") && !self.resp3_for_sure() && self.maybe_subscribed() {
             // Refused in RESP2 subscribed mode, and whether that is the mode when Valkey
             // reads this is not known yet.
             self.push(Expect::Lost(Lost::SubscribedResp2));
@@ -717,9 +721,7 @@ impl Pairing {
         };
         match front {
             None if !unasked => Some(Lost::UnpairedReply),
-            Some(Expect::Queued) if !matches!(ty, b'+' | b'-' | b'>') => {
-                Some(Lost::MultiRefused)
-            }
+            Some(Expect::Queued) if !matches!(ty, b'+' | b'-' | b'>') => Some(Lost::MultiRefused),
             _ => None,
         }
     }
@@ -741,13 +743,11 @@ impl Pairing {
     /// Whether the connection will be monitoring when the commands still due have run: a
     /// MONITOR turns it on, a RESET off (only QUIT ends it otherwise).
     fn monitoring_when_due(&self) -> bool {
-        self.queue
-            .iter()
-            .fold(self.monitor, |on, (e, _)| match e {
-                Expect::Monitor => true,
-                Expect::Reset | Expect::SkippedReset => false,
-                _ => on,
-            })
+        self.queue.iter().fold(self.monitor, |on, (e, _)| match e {
+            Expect::Monitor => true,
+            Expect::Reset | Expect::SkippedReset => false,
+            _ => on,
+        })
     }
 
     /// Whether the connection speaks RESP3 and no HELLO still due can change that.
@@ -1218,9 +1218,22 @@ impl Commands for Pairing {
 #[inline(always)]
 fn looked_at_shape(first: u8, len: usize) -> bool {
     const NAMES: &[&[u8]] = &[
-        b"client", b"cluster", b"discard", b"exec", b"hello", b"info", b"multi", b"monitor",
-        b"psubscribe", b"punsubscribe", b"reset", b"role", b"subscribe", b"ssubscribe",
-        b"sunsubscribe", b"unsubscribe",
+        b"client",
+        b"cluster",
+        b"discard",
+        b"exec",
+        b"hello",
+        b"info",
+        b"multi",
+        b"monitor",
+        b"psubscribe",
+        b"punsubscribe",
+        b"reset",
+        b"role",
+        b"subscribe",
+        b"ssubscribe",
+        b"sunsubscribe",
+        b"unsubscribe",
     ];
     // For each letter, a bit for each length (all under 16) a looked-at name of it has;
     // and a bit for each letter that has one.
@@ -1315,11 +1328,16 @@ pub(crate) mod tests {
                 b"+1796112351.679651 [0 127.0.0.1:35364] \"CLIENT\" \"REPLY\" \"SKIP\"\r\n",
             ],
         );
-        assert_eq!(got, vec![InBand(Expect::Monitor), InBand(Expect::Other), OutOfBand]);
+        assert_eq!(
+            got,
+            vec![InBand(Expect::Monitor), InBand(Expect::Other), OutOfBand]
+        );
         let mut p = Pairing::new(true);
         let mut s = RequestScanner::default();
-        s.feed(b"MONITOR\r\nCLIENT REPLY SKIP\r\nRESET\r\n", |c| p.on_request(c))
-            .unwrap();
+        s.feed(b"MONITOR\r\nCLIENT REPLY SKIP\r\nRESET\r\n", |c| {
+            p.on_request(c)
+        })
+        .unwrap();
         p.on_reply(b'+', Some(&parse(b"+OK\r\n").unwrap().0));
         assert_eq!(p.lost(), Some(Lost::SwitchWithoutReply));
         // Not monitoring: a skipped RESET is followed as before.
@@ -1351,12 +1369,13 @@ pub(crate) mod tests {
     #[test]
     fn the_shape_test_takes_the_looked_at_shapes_only() {
         let shapes = [
-            "c6", "c7", "d7", "e4", "h5", "i4", "m5", "m7", "p10", "p12", "r5", "r4", "s9",
-            "s10", "s12", "u11",
+            "c6", "c7", "d7", "e4", "h5", "i4", "m5", "m7", "p10", "p12", "r5", "r4", "s9", "s10",
+            "s12", "u11",
         ];
         for b in 0..=u8::MAX {
             for len in 0..40 {
-                let want = shapes.contains(&format!("{}{len}", b.to_ascii_lowercase() as char).as_str())
+                let want = shapes
+                    .contains(&format!("{}{len}", b.to_ascii_lowercase() as char).as_str())
                     && b.is_ascii_alphabetic();
                 assert_eq!(looked_at_shape(b, len), want, "{b:#04x} {len}");
             }
@@ -1383,12 +1402,17 @@ pub(crate) mod tests {
         for name in names {
             for case in [name.to_string(), name.to_ascii_uppercase()] {
                 for args in ["", " nodes", " reply off", " 3"] {
-                    let commands = array_commands(format!("GET a\r\n{case}{args}\r\nGET b\r\n").as_bytes());
+                    let commands =
+                        array_commands(format!("GET a\r\n{case}{args}\r\nGET b\r\n").as_bytes());
                     let mut general = Pairing::new(true);
                     general.general_only = true;
                     let mut fast = Pairing::new(true);
-                    RequestScanner::default().feed_to(&commands, &mut general).unwrap();
-                    RequestScanner::default().feed_to(&commands, &mut fast).unwrap();
+                    RequestScanner::default()
+                        .feed_to(&commands, &mut general)
+                        .unwrap();
+                    RequestScanner::default()
+                        .feed_to(&commands, &mut fast)
+                        .unwrap();
                     general.general_only = false;
                     assert_eq!(format!("{fast:?}"), format!("{general:?}"), "{case}{args}");
                 }
@@ -1520,25 +1544,34 @@ pub(crate) mod tests {
     /// connection is given up at MULTI's reply.
     #[test]
     fn a_refused_multi_starts_nothing() {
-        let refused: &[u8] =
-            b"-NOPERM User u has no permissions to run the 'multi' command\r\n";
+        let refused: &[u8] = b"-NOPERM User u has no permissions to run the 'multi' command\r\n";
         let mut p = Pairing::new(true);
         let mut s = RequestScanner::default();
         s.feed(b"MULTI\r\n", |c| p.on_request(c)).unwrap();
         assert_eq!(reply(&mut p, refused), InBand(Expect::Multi));
-        s.feed(b"CLUSTER SLOTS\r\nCLIENT REPLY OFF\r\nGET a\r\nCLIENT REPLY ON\r\nEXEC\r\n", |c| {
-            p.on_request(c)
-        })
+        s.feed(
+            b"CLUSTER SLOTS\r\nCLIENT REPLY OFF\r\nGET a\r\nCLIENT REPLY ON\r\nEXEC\r\n",
+            |c| p.on_request(c),
+        )
         .unwrap();
         assert_eq!(reply(&mut p, b"*0\r\n"), InBand(Expect::ClusterSlots));
         assert_eq!(reply(&mut p, b"+OK\r\n"), InBand(Expect::Other));
-        assert_eq!(reply(&mut p, b"-ERR EXEC without MULTI\r\n"), InBand(Expect::Other));
+        assert_eq!(
+            reply(&mut p, b"-ERR EXEC without MULTI\r\n"),
+            InBand(Expect::Other)
+        );
         assert_eq!((p.pending(), p.lost()), (0, None));
         // Accepted, the same MULTI starts a transaction.
-        let got = pair(b"MULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n", &[b"+OK\r\n", b"+QUEUED\r\n", b"*1\r\n*0\r\n"]);
+        let got = pair(
+            b"MULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n", b"*1\r\n*0\r\n"],
+        );
         assert!(matches!(got[2], InBand(Expect::Exec(_))), "{got:?}");
         // Pipelined behind a refused MULTI: lost where MULTI's reply is placed.
-        let got = lost_after(b"GET a\r\nMULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n", &[b"$-1\r\n", refused]);
+        let got = lost_after(
+            b"GET a\r\nMULTI\r\nCLUSTER SLOTS\r\nEXEC\r\n",
+            &[b"$-1\r\n", refused],
+        );
         assert_eq!(got, [None, None, Some(Lost::MultiRefused)]);
         let got = lost_after(b"MULTI\r\nDISCARD\r\n", &[refused]);
         assert_eq!(got, [None, Some(Lost::MultiRefused)]);
@@ -1557,8 +1590,12 @@ pub(crate) mod tests {
     /// reply behind it settles it, an error too.
     #[test]
     fn a_refused_client_reply_is_given_up_at_its_error() {
-        let noperm: &[u8] = b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n";
-        let got = lost_after(b"CLIENT REPLY SKIP\r\nGET v\r\nGET w\r\nCLUSTER NODES\r\n", &[noperm]);
+        let noperm: &[u8] =
+            b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n";
+        let got = lost_after(
+            b"CLIENT REPLY SKIP\r\nGET v\r\nGET w\r\nCLUSTER NODES\r\n",
+            &[noperm],
+        );
         assert_eq!(got, [None, Some(Lost::ClientReplyRefused)]);
         let got = lost_after(
             b"GET a\r\nCLIENT REPLY OFF\r\nCLUSTER NODES\r\nCLIENT REPLY ON\r\n",
@@ -1572,7 +1609,10 @@ pub(crate) mod tests {
         );
         assert_eq!(got, [InBand(Expect::Other), InBand(Expect::ClusterSlots)]);
         // Its own reply skipped (a SKIP behind a SKIP): nothing to settle.
-        let got = lost_after(b"CLIENT REPLY SKIP\r\nCLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n", &[b"$-1\r\n"]);
+        let got = lost_after(
+            b"CLIENT REPLY SKIP\r\nCLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n",
+            &[b"$-1\r\n"],
+        );
         assert_eq!(got, [None, None]);
     }
 
@@ -1588,11 +1628,18 @@ pub(crate) mod tests {
             b"CLIENT REPLY SKIP\r\nSSUBSCRIBE {a}s {b}s\r\nLRANGE l 0 -1\r\nCLUSTER SHARDS\r\n",
             &[message, b"*0\r\n"],
         );
-        assert_eq!(answers, [InBand(Expect::Other), InBand(Expect::ClusterShards)]);
+        assert_eq!(
+            answers,
+            [InBand(Expect::Other), InBand(Expect::ClusterShards)]
+        );
         // Subscribed, the same array is a message.
         let answers = pair(
             b"SUBSCRIBE ch\r\nPING\r\n",
-            &[b"*3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n", message, b"*2\r\n$4\r\npong\r\n$0\r\n\r\n"],
+            &[
+                b"*3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n",
+                message,
+                b"*2\r\n$4\r\npong\r\n$0\r\n\r\n",
+            ],
         );
         assert_eq!(answers, [OutOfBand, OutOfBand, InBand(Expect::Other)]);
     }
@@ -1610,7 +1657,9 @@ pub(crate) mod tests {
         reply(&mut p, hello3);
         s.feed(b"CLIENT REPLY SKIP\r\nSSUBSCRIBE foreign\r\nCLIENT REPLY SKIP\r\nGET y\r\nSSUBSCRIBE local\r\n", |c| p.on_request(c)).unwrap();
         assert!(
-            p.queue.iter().any(|(e, _)| *e == Expect::Lost(Lost::SubscribeAfterQuietSubscribe)),
+            p.queue
+                .iter()
+                .any(|(e, _)| *e == Expect::Lost(Lost::SubscribeAfterQuietSubscribe)),
             "{:?}",
             p.queue
         );
@@ -1619,21 +1668,30 @@ pub(crate) mod tests {
         let mut p = Pairing::new(true);
         s.feed(b"HELLO 3\r\n", |c| p.on_request(c)).unwrap();
         reply(&mut p, hello3);
-        s.feed(b"CLIENT REPLY SKIP\r\nSSUBSCRIBE foreign\r\nCLIENT REPLY SKIP\r\nGET y\r\nGET x\r\n", |c| p.on_request(c)).unwrap();
+        s.feed(
+            b"CLIENT REPLY SKIP\r\nSSUBSCRIBE foreign\r\nCLIENT REPLY SKIP\r\nGET y\r\nGET x\r\n",
+            |c| p.on_request(c),
+        )
+        .unwrap();
         assert_eq!(reply(&mut p, b"$1\r\nx\r\n"), InBand(Expect::Other));
         assert!(p.queue.is_empty(), "{:?}", p.queue);
         // MONITOR while monitoring gets no reply, CLIENT REPLY pending or not.
         let mut p = Pairing::new(true);
         s.feed(b"MONITOR\r\n", |c| p.on_request(c)).unwrap();
         reply(&mut p, b"+OK\r\n");
-        s.feed(b"CLIENT REPLY SKIP\r\nGET a\r\n", |c| p.on_request(c)).unwrap();
+        s.feed(b"CLIENT REPLY SKIP\r\nGET a\r\n", |c| p.on_request(c))
+            .unwrap();
         let line = b"+1796112351.679651 [0 127.0.0.1:35364] \"GET\" \"a\"\r\n";
         assert_eq!(reply(&mut p, line), OutOfBand);
-        s.feed(b"MONITOR\r\nGET b\r\nCLUSTER NODES\r\n", |c| p.on_request(c)).unwrap();
+        s.feed(b"MONITOR\r\nGET b\r\nCLUSTER NODES\r\n", |c| {
+            p.on_request(c)
+        })
+        .unwrap();
         assert_eq!(reply(&mut p, b"$-1\r\n"), InBand(Expect::Other));
         assert_eq!(reply(&mut p, b"$0\r\n\r\n"), InBand(Expect::ClusterNodes));
         // CLIENT renamed away: refused as surely as by an ACL.
-        let unknown: &[u8] = b"-ERR unknown command 'client', with args beginning with: 'REPLY' 'SKIP' \r\n";
+        let unknown: &[u8] =
+            b"-ERR unknown command 'client', with args beginning with: 'REPLY' 'SKIP' \r\n";
         let got = lost_after(b"CLIENT REPLY SKIP\r\nGET a\r\nGET b\r\n", &[unknown]);
         assert_eq!(got, [None, Some(Lost::ClientReplyRefused)]);
         // An unknown command behind an accepted SKIP is that command's error.
@@ -1667,7 +1725,10 @@ pub(crate) mod tests {
         p.on_reply(b'+', Some(&Frame::Simple(b"OK"[..].into())));
         assert_eq!(p.lost(), Some(Lost::MultiRefused));
         // QUIT in a transaction runs at once (`+OK`, then Valkey closes): not lost.
-        let got = lost_after(b"MULTI\r\nGET a\r\nQUIT\r\n", &[b"+OK\r\n", b"+QUEUED\r\n", b"+OK\r\n"]);
+        let got = lost_after(
+            b"MULTI\r\nGET a\r\nQUIT\r\n",
+            &[b"+OK\r\n", b"+QUEUED\r\n", b"+OK\r\n"],
+        );
         assert!(got.iter().all(Option::is_none), "{got:?}");
     }
 
@@ -2021,7 +2082,12 @@ pub(crate) mod tests {
         );
         assert_eq!(
             got,
-            [OutOfBand, OutOfBand, InBand(Expect::Other), InBand(Expect::ClusterSlots)]
+            [
+                OutOfBand,
+                OutOfBand,
+                InBand(Expect::Other),
+                InBand(Expect::ClusterSlots)
+            ]
         );
         let got = pair(
             b"CLIENT REPLY SKIP\r\nSUBSCRIBE a\r\nPING\r\nUNSUBSCRIBE\r\nCLUSTER SLOTS\r\n",
@@ -2420,7 +2486,10 @@ pub(crate) mod tests {
                 b"+QUEUED\r\n",
             ],
         );
-        assert_eq!(got, [None, None, None, None, Some(TransactionWhileMonitoring)]);
+        assert_eq!(
+            got,
+            [None, None, None, None, Some(TransactionWhileMonitoring)]
+        );
         let mut p = Pairing::new(true);
         let mut s = RequestScanner::default();
         s.feed(b"MONITOR\r\n", |c| p.on_request(c)).unwrap();
@@ -2472,7 +2541,10 @@ pub(crate) mod tests {
         // Nor its protocol errors, for input the proxy took for a command.
         let got = lost_after(
             b"GET k\r\n",
-            &[b"$1\r\nv\r\n", b"-ERR Protocol error: invalid bulk length\r\n"],
+            &[
+                b"$1\r\nv\r\n",
+                b"-ERR Protocol error: invalid bulk length\r\n",
+            ],
         );
         assert_eq!(got, [None, None, None]);
         // Its answer to input it rejects has no command either.

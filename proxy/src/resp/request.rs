@@ -452,11 +452,7 @@ impl RequestScanner {
         Ok(())
     }
 
-    fn line_done(
-        &mut self,
-        line: &[u8],
-        to: &mut impl Commands,
-    ) -> Result<(), RespError> {
+    fn line_done(&mut self, line: &[u8], to: &mut impl Commands) -> Result<(), RespError> {
         let invalid = invalid_length;
         match self.state {
             State::Count => {
@@ -579,7 +575,6 @@ fn short_plain_command<C: Commands>(buf: &[u8]) -> Option<usize> {
     }
     Some(at)
 }
-
 
 /// A `<ty><digits>\r\n` header at the start of `buf`, its digits a number without sign
 /// or leading zero (`0` alone excepted) that fits in 18 digits, its line no longer than
@@ -857,9 +852,8 @@ pub(crate) mod tests {
         let mut s = RequestScanner::new(max_line);
         s.one_pass = one_pass;
         let mut out = vec![];
-        let mut note = |c: &Command| {
-            out.push(((0..KEPT_ARGS).map(|i| c.arg(i).to_vec()).collect(), c.argc))
-        };
+        let mut note =
+            |c: &Command| out.push(((0..KEPT_ARGS).map(|i| c.arg(i).to_vec()).collect(), c.argc));
         let (a, b) = input.split_at(split);
         let r = s.feed(a, &mut note).and_then(|()| s.feed(b, &mut note));
         (out, r)

@@ -453,8 +453,7 @@ pub(super) fn short_header(buf: &[u8], at: usize, ty: u8) -> Option<(usize, usiz
         return (c3 == b'\n').then_some((usize::from(d1), 4));
     }
     let d2 = c2.wrapping_sub(b'0');
-    (d2 <= 9 && d1 != 0 && c3 == b'\r' && c4 == b'\n')
-        .then(|| (usize::from(d1 * 10 + d2), 5))
+    (d2 <= 9 && d1 != 0 && c3 == b'\r' && c4 == b'\n').then(|| (usize::from(d1 * 10 + d2), 5))
 }
 
 /// [`whole_bulk`] for any length.
@@ -474,7 +473,8 @@ fn long_bulk(buf: &[u8], max_line: usize) -> Option<usize> {
         n = n * 10 + u64::from(b - b'0');
         digits += 1;
     }
-    if !(1..=18).contains(&digits) || digits > max_line || rest.get(digits..digits + 2)? != b"\r\n" {
+    if !(1..=18).contains(&digits) || digits > max_line || rest.get(digits..digits + 2)? != b"\r\n"
+    {
         return None;
     }
     let end = (digits + 3).checked_add(usize::try_from(n).ok()?)?;
@@ -598,8 +598,18 @@ mod tests {
             (b"$-1\r\n", 2, Some(5)),
             (b"$123\r\n", 64, None),
         ] {
-            assert_eq!(whole_bulk(buf, max_line), want, "{:?}", String::from_utf8_lossy(buf));
-            assert_eq!(long_bulk(buf, max_line), want, "{:?}", String::from_utf8_lossy(buf));
+            assert_eq!(
+                whole_bulk(buf, max_line),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(buf)
+            );
+            assert_eq!(
+                long_bulk(buf, max_line),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(buf)
+            );
         }
     }
 
@@ -609,12 +619,22 @@ mod tests {
     fn the_short_loop_reads_replies_as_the_inline_reading() {
         every_buffer(b'$', b"019-\r\nx", 7, |buf| {
             if let (1, len) = short_replies(buf, 1) {
-                assert_eq!(whole_bulk(buf, 2), Some(len), "{:?}", String::from_utf8_lossy(buf));
+                assert_eq!(
+                    whole_bulk(buf, 2),
+                    Some(len),
+                    "{:?}",
+                    String::from_utf8_lossy(buf)
+                );
             }
         });
         every_buffer(b'+', b"OK\r\n", 5, |buf| {
             if let (1, len) = short_replies(buf, 1) {
-                assert_eq!(whole_line(buf), Some(len), "{:?}", String::from_utf8_lossy(buf));
+                assert_eq!(
+                    whole_line(buf),
+                    Some(len),
+                    "{:?}",
+                    String::from_utf8_lossy(buf)
+                );
             }
         });
         let three = b"$10\r\n0123456789\r\n+OK\r\n$3\r\nabc\r\n+OKAY\r\n";

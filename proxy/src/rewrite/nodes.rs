@@ -120,7 +120,10 @@ fn node_line(line: &[u8]) -> Option<NodeLine<'_>> {
         at += 1;
     }
     let (colon, arobase) = (colon?, arobase?);
-    let (port, cport) = (&line[colon + 1..arobase], &line[arobase + 1..comma.unwrap_or(at)]);
+    let (port, cport) = (
+        &line[colon + 1..arobase],
+        &line[arobase + 1..comma.unwrap_or(at)],
+    );
     if !is_number(port) || !is_number(cport) {
         return None;
     }
@@ -260,7 +263,11 @@ fn rewrite_parts(
     out: &mut Vec<u8>,
     report: &mut Report,
 ) {
-    let NodeLine { id, ref address, rest } = *parts;
+    let NodeLine {
+        id,
+        ref address,
+        rest,
+    } = *parts;
     let Address {
         ip,
         port,
@@ -355,7 +362,10 @@ mod tests {
         use crate::model::{Backend, Route, Routes};
         use shardgate_crds::NodeRef;
         use std::sync::Arc;
-        let mut route = Route::new(NodeRef::new(0, 0), "127.0.0.1:30001".parse::<Backend>().unwrap());
+        let mut route = Route::new(
+            NodeRef::new(0, 0),
+            "127.0.0.1:30001".parse::<Backend>().unwrap(),
+        );
         route.node_id = Some(PRIMARY[..40].to_string());
         let routes: Routes = [(31000, Arc::new(route))].into_iter().collect();
         AddressMap::new("proxy.example.test", &routes)

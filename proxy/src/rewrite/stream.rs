@@ -758,7 +758,11 @@ mod tests {
         let pairing = at((&*state.shared.pairing() as *const Pairing).cast());
         let requests = at((&state.requests as *const RequestSide).cast());
         let replies = at((&state.replies as *const ReplySide).cast());
-        for (part, start) in [("shared", shared), ("requests", requests), ("replies", replies)] {
+        for (part, start) in [
+            ("shared", shared),
+            ("requests", requests),
+            ("replies", replies),
+        ] {
             assert_eq!(start % LINE, 0, "{part} starts a cache line");
         }
         let shared_hot = pairing + Pairing::HOT_END;
@@ -802,7 +806,10 @@ mod tests {
         )
         .unwrap();
         let woken = tokio::time::timeout(Duration::from_secs(10), wait);
-        assert!(woken.await.is_ok(), "the waiting request side was not woken");
+        assert!(
+            woken.await.is_ok(),
+            "the waiting request side was not woken"
+        );
         assert_eq!(shared.pairing().pending(), 0);
     }
 
@@ -1054,7 +1061,11 @@ mod tests {
             let requests = b"CLIENT REPLY SKIP\r\nMULTI\r\nCLUSTER NODES\r\nEXEC\r\n";
             let replies = [&nodes[..], b"-ERR EXEC without MULTI\r\n"].concat();
             let (out, ..) = through_in_pieces(requests, &replies, small(), piece).unwrap();
-            assert_eq!(String::from_utf8_lossy(&out), line(refused), "piece {piece}");
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                line(refused),
+                "piece {piece}"
+            );
             // A command that answers a status line: it goes out (no address in it), and
             // the pairing gives up behind it.
             let requests = b"CLIENT REPLY SKIP\r\nMULTI\r\nSET k v\r\nCLUSTER NODES\r\n";
@@ -1063,13 +1074,17 @@ mod tests {
             let want = format!("+OK\r\n{}", line(refused));
             assert_eq!(String::from_utf8_lossy(&out), want, "piece {piece}");
             let requests = b"CLIENT REPLY SKIP\r\nCLUSTER NODES\r\nGET k\r\n";
-            let noperm = &b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n"[..];
+            let noperm =
+                &b"-NOPERM User u has no permissions to run the 'client|reply' command\r\n"[..];
             let replies = [noperm, &nodes, b"$-1\r\n"].concat();
             let (out, ..) = through_in_pieces(requests, &replies, small(), piece).unwrap();
             let refused =
                 "CLIENT REPLY OFF or SKIP refused, with commands sent behind it as if unanswered";
             let want = [noperm, line(refused).as_bytes()].concat();
-            assert_eq!(out.escape_ascii().to_string(), want.escape_ascii().to_string());
+            assert_eq!(
+                out.escape_ascii().to_string(),
+                want.escape_ascii().to_string()
+            );
         }
     }
 

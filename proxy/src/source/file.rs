@@ -153,8 +153,12 @@ mod tests {
 
     #[test]
     fn errors_name_the_file_and_the_field() {
-        let err = parse(Path::new("routes.yaml"), "basePort: 70000\nshards:\n- nodes: [a:1]\n", false)
-            .unwrap_err();
+        let err = parse(
+            Path::new("routes.yaml"),
+            "basePort: 70000\nshards:\n- nodes: [a:1]\n",
+            false,
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             "routes.yaml: basePort: basePort must be between 1 and 65535, got 70000"

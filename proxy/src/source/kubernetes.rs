@@ -246,7 +246,9 @@ impl Known {
 
     /// Whether `pod`'s node has said its id from where its pod is now.
     fn confirmed(&self, pod: &PodNode) -> bool {
-        self.ids.get(&pod.node).is_some_and(|(at, _)| *at == pod.addr)
+        self.ids
+            .get(&pod.node)
+            .is_some_and(|(at, _)| *at == pod.addr)
     }
 }
 
@@ -406,7 +408,11 @@ impl KubernetesSource {
             url: url.clone(),
             error,
         })?;
-        tracing::info!(source = NAME, api = url, "watching the pods of {namespace}/{cluster}");
+        tracing::info!(
+            source = NAME,
+            api = url,
+            "watching the pods of {namespace}/{cluster}"
+        );
         Ok(Self::with_client(
             client,
             namespace,
@@ -525,10 +531,7 @@ impl Run {
                 Ok(_) => {}
                 Err(e) => {
                     let (node, addr) = (pod.node, pod.addr);
-                    let (since, warned) = self
-                        .silent
-                        .entry(pod)
-                        .or_insert((Instant::now(), false));
+                    let (since, warned) = self.silent.entry(pod).or_insert((Instant::now(), false));
                     let silent_for = since.elapsed();
                     if !*warned && silent_for >= self.refresh {
                         *warned = true;
@@ -832,12 +835,18 @@ mod tests {
         assert_eq!(r.node, NodeRef::new(2, 1));
         assert_eq!(r.backend.to_string(), "10.0.0.6:6379");
         assert!(r.rewrite && !r.primary && r.node_id.is_none());
-        assert!(routes[&31000].primary, "node 0 until the nodes say otherwise");
+        assert!(
+            routes[&31000].primary,
+            "node 0 until the nodes say otherwise"
+        );
 
         // Without --ports-per-shard: the first table's largest node index + 1, then fixed.
         let mut table = Table::new(31000, None, false);
         let (routes, _) = table.routes(&pods, &Known::default());
-        assert_eq!(routes.keys().copied().collect::<Vec<_>>(), [31000, 31001, 31005]);
+        assert_eq!(
+            routes.keys().copied().collect::<Vec<_>>(),
+            [31000, 31001, 31005]
+        );
         let more = nodes(&[("vc-1-2-0", 1, 2, "10.0.0.9:6379")]);
         let (routes, skipped) = table.routes(&more, &Known::default());
         assert!(routes.is_empty());
@@ -907,7 +916,10 @@ mod tests {
         assert!(!pods.apply(Event::Init));
         assert!(!pods.apply(Event::InitApply(pod("a", "0", "0", Some("10.0.0.1")))));
         assert!(!pods.apply(Event::InitApply(pod("b", "0", "1", None))));
-        assert!(!pods.listed && pods.nodes.is_empty(), "nothing before the list ends");
+        assert!(
+            !pods.listed && pods.nodes.is_empty(),
+            "nothing before the list ends"
+        );
         assert!(pods.apply(Event::InitDone));
         assert!(pods.listed);
         assert_eq!(pods.nodes.keys().collect::<Vec<_>>(), ["a"]);

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 pub use file::FileSource;
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::KubernetesSource;
-pub use publisher::{HealthRx, PublishError, RoutePublisher, RouteRx, SourceHealth, Snapshot};
+pub use publisher::{HealthRx, PublishError, RoutePublisher, RouteRx, Snapshot, SourceHealth};
 pub use seed::SeedSource;
 
 /// A producer of route tables (a YAML file, a seed node, the Kubernetes API). It runs until `shutdown` and
@@ -37,4 +37,3 @@ pub trait RouteSource: Send + 'static {
         shutdown: CancellationToken,
     ) -> impl Future<Output = ()> + Send;
 }
-

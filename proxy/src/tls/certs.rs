@@ -104,7 +104,11 @@ pub struct Contents(Vec<Vec<u8>>);
 impl Contents {
     /// Reads every file of `paths`, in order.
     pub fn read(paths: &[&Path]) -> Result<Contents, CertError> {
-        paths.iter().map(|p| read(p)).collect::<Result<_, _>>().map(Contents)
+        paths
+            .iter()
+            .map(|p| read(p))
+            .collect::<Result<_, _>>()
+            .map(Contents)
     }
 
     /// The content of the `i`th file.
@@ -195,7 +199,6 @@ impl CertFiles {
                 source,
             })
     }
-
 }
 
 /// The config in force, and its changes.
@@ -217,7 +220,10 @@ fn settled_change<R: Reloadable>(
     }
     let again = files.read()?;
     if again != first {
-        tracing::debug!("{}: changed while read, read again next time", files.describe());
+        tracing::debug!(
+            "{}: changed while read, read again next time",
+            files.describe()
+        );
         return Ok(None);
     }
     Ok(Some(first))
@@ -269,7 +275,10 @@ pub async fn reload<R: Reloadable>(
             Err(e) => {
                 failed = Some(contents);
                 count("error");
-                tracing::error!("{} reload failed, keeping the one in force: {e}", files.describe());
+                tracing::error!(
+                    "{} reload failed, keeping the one in force: {e}",
+                    files.describe()
+                );
             }
         }
     }

@@ -24,7 +24,6 @@ impl<I> PrefixedIo<I> {
     pub fn into_parts(self) -> (BytesMut, I) {
         (self.prefix, self.io)
     }
-
 }
 
 impl<I: AsyncRead + Unpin> AsyncRead for PrefixedIo<I> {

@@ -14,7 +14,9 @@ async fn pump(from: Rc<TcpStream>, to: Rc<TcpStream>) {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        let (w, b) = to.write_all(tokio_uring::buf::BoundedBuf::slice(b, ..n)).await;
+        let (w, b) = to
+            .write_all(tokio_uring::buf::BoundedBuf::slice(b, ..n))
+            .await;
         buf = b.into_inner();
         if w.is_err() {
             return;
@@ -29,9 +31,13 @@ fn main() {
     tokio_uring::start(async move {
         let listener = TcpListener::bind(listen).expect("bind");
         loop {
-            let Ok((client, _)) = listener.accept().await else { continue };
+            let Ok((client, _)) = listener.accept().await else {
+                continue;
+            };
             tokio_uring::spawn(async move {
-                let Ok(server) = TcpStream::connect(backend).await else { return };
+                let Ok(server) = TcpStream::connect(backend).await else {
+                    return;
+                };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
                 let (c, s) = (Rc::new(client), Rc::new(server));
