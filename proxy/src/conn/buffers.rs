@@ -8,8 +8,8 @@
 //! system call itself, with tokio's readiness kept as tokio's own read keeps it
 //! ([`read_now`]).
 //!
-//! TLS streams cannot be waited on without a read (their records are decrypted inside the
-//! read), so they keep their buffer ([`Held`]); rustls holds buffers of its own anyway.
+//! A TLS session ([`super::tls_session`]) waits without one too: rustls reads the socket
+//! into a buffer of its own, and plaintext is copied into one of these only once decrypted.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -17,7 +17,7 @@ use std::io;
 use std::ops::{Deref, DerefMut};
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncReadExt, Interest};
+use tokio::io::Interest;
 use tokio::net::tcp;
 
 use super::keepalive::LateKeepalive;
@@ -85,9 +85,6 @@ impl DerefMut for Buffer {
 
 /// One direction's read side, as the copy loop reads it.
 pub trait Source: Send {
-    /// Whether the buffer goes back to the free list once what was read is written.
-    const RELEASES: bool;
-
     /// Whether `read_into` can set keepalive on the socket (a plain TCP one).
     const SETS_KEEPALIVE: bool = false;
 
@@ -103,7 +100,6 @@ pub trait Source: Send {
 }
 
 impl Source for tcp::ReadHalf<'_> {
-    const RELEASES: bool = true;
     const SETS_KEEPALIVE: bool = true;
 
     fn read_into<'a>(
@@ -187,23 +183,6 @@ fn waits(
         crate::dial::keep_alive(socket2::SockRef::from(from.as_ref()));
     }
     Poll::Pending
-}
-
-/// Any other stream (TLS): read as usual, the buffer kept for the connection's life.
-pub struct Held<R>(pub R);
-
-impl<R: AsyncRead + Unpin + Send> Source for Held<R> {
-    const RELEASES: bool = false;
-
-    async fn read_into(
-        &mut self,
-        slot: &mut Option<Buffer>,
-        size: usize,
-        _: Option<&LateKeepalive>,
-    ) -> io::Result<usize> {
-        let buf = slot.get_or_insert_with(|| Buffer::take(size));
-        self.0.read(buf).await
-    }
 }
 
 #[cfg(test)]

@@ -30,10 +30,11 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
-use super::buffers::{Buffer, Held, Source};
+use super::buffers::{Buffer, Source};
 use super::join::try_join;
 use super::keepalive::LateKeepalive;
 use super::sink::Sink;
+use super::tls_session::TlsSession;
 use super::watch::{watch, Activity, HardStop, Watched};
 use crate::dial::{BackendTls, BackendTlsRx, DialError, Dialer};
 use crate::metrics::{
@@ -305,10 +306,15 @@ impl Forwarder {
         tls: Arc<BackendTls>,
     ) -> Result<Closed, ForwardError> {
         let backend = self.dial_tls(route, &tls).await?;
+        let (tcp, conn) = backend.into_inner();
+        let backend = TlsSession::new(tcp, conn, &[]).map_err(|source| ForwardError::Io {
+            side: Side::Backend,
+            source,
+        })?;
         let (cr, cw) = client.split();
-        let (br, bw) = tokio::io::split(backend);
+        let (br, bw) = backend.split();
         let rewrite = route.rewrite.then_some(Addresses::Ports);
-        self.relay(port, rewrite, cr, cw, Held(br), bw).await
+        self.relay(port, rewrite, cr, cw, br, bw).await
     }
 
     /// A TLS connection to `route`'s node at its TLS address (`tls_backend`, else its
@@ -801,9 +807,8 @@ where
             bytes.inc_by(out.len() as u64);
             observer.written();
             clock.touch();
-            if R::RELEASES {
-                slot = None;
-            }
+            // Back to the free list: an idle connection holds no buffer.
+            slot = None;
             if let Some(lost) = observer.lost() {
                 let _ = to.shutdown().await;
                 return Err(ForwardError::Lost(lost));

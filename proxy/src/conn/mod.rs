@@ -13,7 +13,8 @@
 //!   second (most that end sooner never need it).
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
-//! - [`tls_session`]: a terminated TLS session, read and written by the copy loop itself.
+//! - [`tls_session`]: a TLS session (a client's on the TLS port, the proxy's to a TLS node)
+//!   read and written by the copy loop itself.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
 //!   then pass the TLS stream through or terminate it and forward.
 

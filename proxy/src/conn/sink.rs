@@ -62,11 +62,6 @@ impl Sink for tcp::WriteHalf<'_> {
     }
 }
 
-/// TLS streams (split by `tokio::io::split`) write through the runtime, and shut down.
-impl<T: AsyncWrite + Send> Sink for tokio::io::WriteHalf<T> {
-    const CLOSE_ENDS_STREAM: bool = false;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,7 +22,6 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
-use super::buffers::Held;
 use super::forward::{Addresses, Closed, ForwardError, Forwarder, Side};
 use super::listener::{Handshake, Refusals, MAX_CLIENTS_REPLY};
 use super::tls_session::TlsSession;
@@ -331,9 +330,14 @@ impl TlsServer {
                 };
                 let name = tls.name_for(route.node, at).map_err(dial_error)?;
                 let backend = dialer.tls(tcp, tls, name, at).await.map_err(dial_error)?;
+                let (tcp, conn) = backend.into_inner();
+                let backend =
+                    TlsSession::new(tcp, conn, &[]).map_err(|source| ForwardError::Io {
+                        side: Side::Backend,
+                        source,
+                    })?;
                 let rewrite = route.rewrite.then_some(Addresses::Sni);
-                let (br, bw) = tokio::io::split(backend);
-                let br = Held(br);
+                let (br, bw) = backend.split();
                 self.forwarder
                     .relay(self.port, rewrite, cr, cw, br, bw)
                     .await

@@ -1,5 +1,5 @@
-//! A terminated TLS session on the TLS port, driven by the copy loop itself once its
-//! handshake is done.
+//! A TLS session driven by the copy loop itself once its handshake is done: a client's on
+//! the TLS port (terminated here), or the proxy's own to a node (`--tls-backend tls`).
 //!
 //! tokio-rustls's stream, split in two by `tokio::io::split`, costs each request a trip
 //! through three layers: the split's lock, the stream's `AsyncRead` (which fills rustls
@@ -9,7 +9,7 @@
 //! connection's one task), rustls reads the socket with the plain path's system call
 //! ([`read_now`]), and writes go straight out as the plain path's do. The reader also waits
 //! without a buffer, as a plain socket's does: the plaintext is copied into one only once
-//! rustls has decrypted some ([`Source::RELEASES`]).
+//! rustls has decrypted some.
 //!
 //! What the stream did, this keeps: a TCP end without close_notify reads as
 //! `UnexpectedEof` (an end of stream to the copy loop), a record that fails to decrypt is an
@@ -24,7 +24,7 @@ use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 
-use rustls::ServerConnection;
+use rustls::Connection;
 use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
 
@@ -32,16 +32,18 @@ use super::buffers::{read_now, Buffer, Source};
 use super::keepalive::LateKeepalive;
 use super::sink::Sink;
 
-/// A TCP socket and the rustls server session on it, handshake done.
+/// A TCP socket and the rustls session on it, handshake done: a client's on the TLS port,
+/// or the proxy's own to a node (`--tls-backend tls`).
 pub struct TlsSession {
     tcp: TcpStream,
-    conn: Mutex<ServerConnection>,
+    conn: Mutex<Connection>,
 }
 
 impl TlsSession {
     /// The session on `tcp`; `early` is what was read from the socket for the handshake
     /// and not yet given to rustls (nothing, in practice: the hello is read whole).
-    pub fn new(tcp: TcpStream, mut conn: ServerConnection, mut early: &[u8]) -> io::Result<Self> {
+    pub fn new(tcp: TcpStream, conn: impl Into<Connection>, mut early: &[u8]) -> io::Result<Self> {
+        let mut conn = conn.into();
         while !early.is_empty() {
             conn.read_tls(&mut early)?;
             conn.process_new_packets()
@@ -70,17 +72,17 @@ impl TlsSession {
     /// The session. Both halves are polled by the connection's one task, so the lock is
     /// never contended; a panic while it was held (none is expected from rustls) leaves
     /// the session as it was, which the next read or write reports on.
-    fn lock(&self) -> MutexGuard<'_, ServerConnection> {
+    fn lock(&self) -> MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-/// The client → node direction's source: the session's plaintext.
+/// One direction's source: the session's plaintext.
 pub struct TlsReader<'a> {
     session: &'a TlsSession,
 }
 
-/// The node → client direction's sink: encrypted into the session, written to its socket.
+/// The other direction's sink: encrypted into the session, written to its socket.
 pub struct TlsWriter<'a> {
     session: &'a TlsSession,
     /// close_notify queued (shutdown began).
@@ -124,7 +126,7 @@ impl Write for SocketWrite<'_> {
 /// Writes what rustls has queued until it is all out or the socket is full (`Ok`), without
 /// waiting. A full socket costs the wait that follows one failing `send` (see
 /// [`SocketWrite`]); replies and requests rarely fill one.
-fn push(conn: &mut ServerConnection, tcp: &TcpStream) -> io::Result<()> {
+fn push(conn: &mut Connection, tcp: &TcpStream) -> io::Result<()> {
     while conn.wants_write() {
         match conn.write_tls(&mut SocketWrite::Straight(tcp)) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -137,11 +139,7 @@ fn push(conn: &mut ServerConnection, tcp: &TcpStream) -> io::Result<()> {
 }
 
 /// Writes what rustls has queued, waiting for the socket as it fills.
-fn poll_push(
-    conn: &mut ServerConnection,
-    tcp: &TcpStream,
-    cx: &mut Context<'_>,
-) -> Poll<io::Result<()>> {
+fn poll_push(conn: &mut Connection, tcp: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
     while conn.wants_write() {
         match conn.write_tls(&mut SocketWrite::Waiting(tcp)) {
             Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
@@ -161,7 +159,7 @@ fn poll_push(
 /// What the session has decrypted for the reader: `Some(true)` plaintext, `Some(false)` the
 /// end of the stream (close_notify), `None` nothing yet; an error for a TCP end without
 /// close_notify (`UnexpectedEof`).
-fn readable(conn: &mut ServerConnection) -> io::Result<Option<bool>> {
+fn readable(conn: &mut Connection) -> io::Result<Option<bool>> {
     match conn.reader().fill_buf() {
         Ok(chunk) => Ok(Some(!chunk.is_empty())),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
@@ -170,8 +168,6 @@ fn readable(conn: &mut ServerConnection) -> io::Result<Option<bool>> {
 }
 
 impl Source for TlsReader<'_> {
-    const RELEASES: bool = true;
-
     fn read_into<'a>(
         &'a mut self,
         slot: &'a mut Option<Buffer>,
@@ -338,6 +334,71 @@ mod tests {
         };
         let (client, server) = tokio::try_join!(client, server)?;
         Ok((pki, client, server))
+    }
+
+    /// The other way round: a tokio-rustls server (a node) and the proxy's session to it.
+    async fn to_a_node() -> anyhow::Result<(
+        TestPki,
+        tokio_rustls::server::TlsStream<TcpStream>,
+        TlsSession,
+    )> {
+        let pki = TestPki::new("example.test")?;
+        let cert = pki.wildcard("node")?;
+        let files = CertFiles {
+            cert: cert.cert.clone(),
+            key: cert.key.clone(),
+            client_ca: None,
+        };
+        let (config, _) = files.load()?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let at = listener.local_addr()?;
+        let connector = TlsConnector::from(pki.client_config(None));
+        let name = rustls_pki_types::ServerName::try_from("vc-0-0.example.test")?;
+        let client = async {
+            let tcp = TcpStream::connect(at).await?;
+            let (tcp, conn) = connector.connect(name, tcp).await?.into_inner();
+            anyhow::Ok(TlsSession::new(tcp, conn, &[])?)
+        };
+        let server = async {
+            let (tcp, _) = listener.accept().await?;
+            anyhow::Ok(TlsAcceptor::from(Arc::new(config)).accept(tcp).await?)
+        };
+        let (client, server) = tokio::try_join!(client, server)?;
+        Ok((pki, server, client))
+    }
+
+    /// The proxy's session to a node: a request out, a reply of 1 MiB back, then the
+    /// node's close_notify as the end of the stream.
+    #[tokio::test]
+    async fn a_session_to_a_node_carries_both_ways_and_ends_cleanly() -> anyhow::Result<()> {
+        let (_pki, mut node, session) = to_a_node().await?;
+        let (mut r, mut w) = session.split();
+        let sent = w.write_now(b"GET big\r\n")?;
+        assert_eq!(sent, 9);
+        w.flush().await?;
+        let mut request = [0u8; 9];
+        node.read_exact(&mut request).await?;
+        assert_eq!(&request, b"GET big\r\n");
+        let reply: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 253) as u8).collect();
+        let answer = reply.clone();
+        let node = tokio::spawn(async move {
+            node.write_all(&answer).await?;
+            node.shutdown().await?;
+            anyhow::Ok(node)
+        });
+        let mut slot = None;
+        let mut got = Vec::new();
+        loop {
+            let bytes = read(&mut r, &mut slot).await?;
+            if bytes.is_empty() {
+                break;
+            }
+            got.extend(bytes);
+            slot = None;
+        }
+        assert!(got == reply, "{} bytes back of {}", got.len(), reply.len());
+        drop(node.await??);
+        Ok(())
     }
 
     /// One read of the session's plaintext, as the copy loop reads it.

@@ -112,7 +112,7 @@ impl Dialer {
         backend: &Backend,
     ) -> Result<TlsStream<TcpStream>, DialError> {
         let shown = name.to_str().into_owned();
-        // A TLS stream's copy loop cannot reach its socket: keepalive now, not late.
+        // The TLS session's reader does not set keepalive once due (`conn::keepalive`): now.
         keep_alive(socket2::SockRef::from(&tcp));
         match tokio::time::timeout(self.connect_timeout, tls.connector().connect(name, tcp)).await {
             Ok(Ok(s)) => Ok(s),
