@@ -307,9 +307,14 @@ mod tests {
 
     const SIZE: usize = 16 * 1024;
 
-    /// A rustls client (tokio-rustls) and the server side of its session, handshake done,
-    /// over loopback TCP; the PKI lives as long as the test holds it.
-    async fn pair() -> anyhow::Result<(TestPki, TlsStream<TcpStream>, TlsSession)> {
+    /// Both ends of a TLS session over loopback TCP, each a tokio-rustls stream, handshake
+    /// done (the server holds a wildcard certificate of the test PKI, which lives as long as
+    /// the test holds it).
+    async fn handshaken() -> anyhow::Result<(
+        TestPki,
+        TlsStream<TcpStream>,
+        tokio_rustls::server::TlsStream<TcpStream>,
+    )> {
         let pki = TestPki::new("example.test")?;
         let cert = pki.wildcard("server")?;
         let files = CertFiles {
@@ -328,43 +333,28 @@ mod tests {
         };
         let server = async {
             let (tcp, _) = listener.accept().await?;
-            let tls = TlsAcceptor::from(Arc::new(config)).accept(tcp).await?;
-            let (tcp, conn) = tls.into_inner();
-            anyhow::Ok(TlsSession::new(tcp, conn, &[])?)
+            anyhow::Ok(TlsAcceptor::from(Arc::new(config)).accept(tcp).await?)
         };
         let (client, server) = tokio::try_join!(client, server)?;
         Ok((pki, client, server))
     }
 
-    /// The other way round: a tokio-rustls server (a node) and the proxy's session to it.
+    /// A rustls client and the server side of its session as the TLS port drives it.
+    async fn pair() -> anyhow::Result<(TestPki, TlsStream<TcpStream>, TlsSession)> {
+        let (pki, client, server) = handshaken().await?;
+        let (tcp, conn) = server.into_inner();
+        Ok((pki, client, TlsSession::new(tcp, conn, &[])?))
+    }
+
+    /// The other way round: a rustls server (a node) and the proxy's session to it.
     async fn to_a_node() -> anyhow::Result<(
         TestPki,
         tokio_rustls::server::TlsStream<TcpStream>,
         TlsSession,
     )> {
-        let pki = TestPki::new("example.test")?;
-        let cert = pki.wildcard("node")?;
-        let files = CertFiles {
-            cert: cert.cert.clone(),
-            key: cert.key.clone(),
-            client_ca: None,
-        };
-        let (config, _) = files.load()?;
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let at = listener.local_addr()?;
-        let connector = TlsConnector::from(pki.client_config(None));
-        let name = rustls_pki_types::ServerName::try_from("vc-0-0.example.test")?;
-        let client = async {
-            let tcp = TcpStream::connect(at).await?;
-            let (tcp, conn) = connector.connect(name, tcp).await?.into_inner();
-            anyhow::Ok(TlsSession::new(tcp, conn, &[])?)
-        };
-        let server = async {
-            let (tcp, _) = listener.accept().await?;
-            anyhow::Ok(TlsAcceptor::from(Arc::new(config)).accept(tcp).await?)
-        };
-        let (client, server) = tokio::try_join!(client, server)?;
-        Ok((pki, server, client))
+        let (pki, client, server) = handshaken().await?;
+        let (tcp, conn) = client.into_inner();
+        Ok((pki, server, TlsSession::new(tcp, conn, &[])?))
     }
 
     /// The proxy's session to a node: a request out, a reply of 1 MiB back, then the
@@ -386,16 +376,7 @@ mod tests {
             node.shutdown().await?;
             anyhow::Ok(node)
         });
-        let mut slot = None;
-        let mut got = Vec::new();
-        loop {
-            let bytes = read(&mut r, &mut slot).await?;
-            if bytes.is_empty() {
-                break;
-            }
-            got.extend(bytes);
-            slot = None;
-        }
+        let got = read_to_end(&mut r).await?;
         assert!(got == reply, "{} bytes back of {}", got.len(), reply.len());
         drop(node.await??);
         Ok(())
@@ -405,6 +386,19 @@ mod tests {
     async fn read(reader: &mut TlsReader<'_>, slot: &mut Option<Buffer>) -> io::Result<Vec<u8>> {
         let n = reader.read_into(slot, SIZE, None).await?;
         Ok(slot.as_deref().map_or_else(Vec::new, |b| b[..n].to_vec()))
+    }
+
+    /// Every read until the end of the stream, each into a buffer of its own as the copy
+    /// loop gives back its buffer after each.
+    async fn read_to_end(reader: &mut TlsReader<'_>) -> io::Result<Vec<u8>> {
+        let mut all = Vec::new();
+        loop {
+            let bytes = read(reader, &mut None).await?;
+            if bytes.is_empty() {
+                return Ok(all);
+            }
+            all.extend(bytes);
+        }
     }
 
     /// Bytes both ways, far more than the sockets and rustls's queue hold: an echo of 4 MiB,
@@ -508,18 +502,9 @@ mod tests {
     async fn close_notify_ends_the_stream_both_ways() -> anyhow::Result<()> {
         let (_pki, mut client, session) = pair().await?;
         let (mut r, mut w) = session.split();
-        let mut slot = None;
         client.write_all(b"last").await?;
         client.shutdown().await?;
-        let mut got = Vec::new();
-        loop {
-            let bytes = read(&mut r, &mut slot).await?;
-            if bytes.is_empty() {
-                break;
-            }
-            got.extend(bytes);
-        }
-        assert_eq!(got, b"last");
+        assert_eq!(read_to_end(&mut r).await?, b"last");
         w.write_all(b"reply").await?;
         w.shutdown().await?;
         let mut back = Vec::new();
