@@ -167,6 +167,9 @@ fn readable(conn: &mut Connection) -> io::Result<Option<bool>> {
     }
 }
 
+/// Socket reads one poll of the reader makes before it yields when they bring no plaintext.
+const MAX_TURNS_WITHOUT_PLAINTEXT: u32 = 32;
+
 impl Source for TlsReader<'_> {
     fn read_into<'a>(
         &'a mut self,
@@ -176,16 +179,28 @@ impl Source for TlsReader<'_> {
     ) -> impl Future<Output = io::Result<usize>> + Send + 'a {
         let session = self.session;
         std::future::poll_fn(move |cx| {
+            // Each read spends the task's coop budget, as the plain source's readiness
+            // check does: `try_io` spends none, and a sender whose records keep the
+            // socket full (empty records, say) must not hold the worker in this loop.
+            let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
             let tcp = &session.tcp;
             let mut conn = session.lock();
+            let mut turns = 0u32;
             loop {
                 match readable(&mut conn)? {
                     Some(true) => {
+                        coop.made_progress();
                         let buf = slot.get_or_insert_with(|| Buffer::take(size));
                         return Poll::Ready(conn.reader().read(buf));
                     }
                     Some(false) => return Poll::Ready(Ok(0)),
                     None => {}
+                }
+                // Records that bring no plaintext: give the worker back now and then.
+                turns += 1;
+                if turns > MAX_TURNS_WITHOUT_PLAINTEXT {
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
                 }
                 match conn.read_tls(&mut SocketRead(tcp)) {
                     // A TCP end: the next turn reports it, as close_notify or not.
