@@ -1,8 +1,10 @@
 //! One client connection: dial its node, then copy bytes both ways.
 //!
 //! [`Forwarder::serve`] is the per-port path: a plain `TcpStream` split in place, no
-//! wrapping (with `--tls-backend tls`, the node's leg is a TLS stream). [`Forwarder::relay`] is the copy itself, generic over the two streams' halves,
-//! which the TLS port uses with TLS streams (see [`super::tls_port`]).
+//! wrapping (with `--tls-backend tls`, the node's leg is a TLS session, see
+//! [`super::tls_session`]). [`Forwarder::relay`] is the copy itself, generic over the two
+//! streams' halves, which the TLS port uses with the client's TLS session and a plain or
+//! TLS leg to the node (see [`super::tls_port`]).
 //!
 //! Both directions run the one copy loop (`copy`): read, let an `Observer` see the
 //! bytes and say what goes out, write, repeat. Plain forwarding observes nothing; a
@@ -11,8 +13,9 @@
 //!
 //! Each direction writes what it read before it reads again, so a slow reader on one side
 //! stops reads on the other (back-pressure) and memory per connection is bounded by two
-//! buffers. A plain TCP side holds its buffer only from the read to the end of the write
-//! (see [`super::buffers`]): an idle connection holds its sockets and a small state.
+//! buffers. Each side, plain or TLS, holds its buffer only from the read to the end of the
+//! write (see [`super::buffers`]): an idle connection holds its sockets and a small state
+//! (and a TLS session's own, rustls's).
 //! Half-closes are forwarded: a client that shuts its write side still gets the replies in
 //! flight.
 

@@ -1,5 +1,5 @@
-//! The write side of the copy loop: what a plain TCP half can do that tokio's `AsyncWrite`
-//! does not say.
+//! The write side of the copy loop: what a plain TCP half (or a TLS session's writer, see
+//! `super::tls_session`) can do that tokio's `AsyncWrite` does not say.
 //!
 //! Both save work on connections that last one request (a client that connects, sends a
 //! command, reads the reply and closes): a trip through the event loop before the first
@@ -21,7 +21,9 @@ pub trait Sink: AsyncWrite + Unpin + Send {
     const CLOSE_ENDS_STREAM: bool;
 
     /// Writes what the socket takes now, without waiting for the runtime to have seen it
-    /// writable; `WouldBlock` when it takes nothing, or cannot be written this way.
+    /// writable; `WouldBlock` when it takes nothing, or cannot be written this way. A TLS
+    /// writer returns what rustls took: what of it the socket did not take goes out with
+    /// the flush that follows.
     fn write_now(&mut self, _bytes: &[u8]) -> io::Result<usize> {
         Err(io::ErrorKind::WouldBlock.into())
     }
@@ -46,6 +48,29 @@ pub(super) fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<u
 #[cfg(not(all(unix, not(target_vendor = "apple"))))]
 pub(super) fn send(stream: &tokio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
     socket2::SockRef::from(stream).send(bytes)
+}
+
+/// [`send`] of several slices in one system call (`sendmsg`): rustls's queued records, one
+/// slice each, go out together.
+#[cfg(all(unix, not(target_vendor = "apple")))]
+pub(super) fn send_vectored(
+    stream: &tokio::net::TcpStream,
+    bufs: &[io::IoSlice<'_>],
+) -> io::Result<usize> {
+    Ok(rustix::net::sendmsg(
+        stream,
+        bufs,
+        &mut rustix::net::SendAncillaryBuffer::default(),
+        rustix::net::SendFlags::NOSIGNAL,
+    )?)
+}
+
+#[cfg(not(all(unix, not(target_vendor = "apple"))))]
+pub(super) fn send_vectored(
+    stream: &tokio::net::TcpStream,
+    bufs: &[io::IoSlice<'_>],
+) -> io::Result<usize> {
+    socket2::SockRef::from(stream).send_vectored(bufs)
 }
 
 impl Sink for tcp::WriteHalf<'_> {
