@@ -141,8 +141,12 @@ impl Write for SocketWrite<'_> {
         }
     }
 
-    /// rustls's queued records, one slice each, in one system call.
+    /// rustls's queued records, one slice each, in one system call; one record (a small
+    /// reply's) goes by `send`, which the kernel takes with less set-up than `sendmsg`.
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        if let [one] = bufs {
+            return self.write(one);
+        }
         match *self {
             SocketWrite::Straight(tcp) => super::sink::send_vectored(tcp, bufs),
             SocketWrite::Waiting(tcp) => tcp.try_io(Interest::WRITABLE, || {
