@@ -149,9 +149,9 @@ impl Write for SocketWrite<'_> {
         }
         match *self {
             SocketWrite::Straight(tcp) => super::sink::send_vectored(tcp, bufs),
-            SocketWrite::Waiting(tcp) => tcp.try_io(Interest::WRITABLE, || {
-                super::sink::send_vectored(tcp, bufs)
-            }),
+            SocketWrite::Waiting(tcp) => {
+                tcp.try_io(Interest::WRITABLE, || super::sink::send_vectored(tcp, bufs))
+            }
         }
     }
 
@@ -582,9 +582,19 @@ mod tests {
                 w.shutdown().await
             };
             let (got, ()) = tokio::try_join!(reads, writes)?;
-            assert!(got == inbound, "{} bytes in of {}", got.len(), inbound.len());
+            assert!(
+                got == inbound,
+                "{} bytes in of {}",
+                got.len(),
+                inbound.len()
+            );
             let back = client_reads.await??;
-            assert!(back == outbound, "{} bytes out of {}", back.len(), outbound.len());
+            assert!(
+                back == outbound,
+                "{} bytes out of {}",
+                back.len(),
+                outbound.len()
+            );
             drop(client_writes.await??);
             Ok(())
         })
@@ -881,7 +891,11 @@ mod tests {
     ) -> anyhow::Result<Vec<u8>> {
         let key_len = suite.aead_alg.key_len();
         // rustls takes a key from outside only as 32 bytes.
-        anyhow::ensure!(key_len == 32, "{:?} has {key_len}-byte keys", suite.common.suite);
+        anyhow::ensure!(
+            key_len == 32,
+            "{:?} has {key_len}-byte keys",
+            suite.common.suite
+        );
         let keys = |secret: &[u8]| -> anyhow::Result<_> {
             let key: [u8; 32] = expand_label(suite, secret, b"key", 32)?
                 .try_into()
@@ -910,13 +924,28 @@ mod tests {
         let mut out = Vec::new();
         for _ in 0..generations {
             for seq in 0..31 {
-                out.extend(record(&mut encrypter, seq, ContentType::ApplicationData, &[])?);
+                out.extend(record(
+                    &mut encrypter,
+                    seq,
+                    ContentType::ApplicationData,
+                    &[],
+                )?);
             }
-            out.extend(record(&mut encrypter, 31, ContentType::Handshake, &KEY_UPDATE)?);
+            out.extend(record(
+                &mut encrypter,
+                31,
+                ContentType::Handshake,
+                &KEY_UPDATE,
+            )?);
             secret = expand_label(suite, &secret, b"traffic upd", hash_len)?;
             encrypter = keys(&secret)?;
         }
-        out.extend(record(&mut encrypter, 0, ContentType::ApplicationData, b"PING\r\n")?);
+        out.extend(record(
+            &mut encrypter,
+            0,
+            ContentType::ApplicationData,
+            b"PING\r\n",
+        )?);
         Ok(out)
     }
 
@@ -925,8 +954,7 @@ mod tests {
     /// with the client's traffic secret): the reader gives the worker back now and then
     /// instead of reading them all in one poll, and the plaintext after them arrives whole.
     #[tokio::test(flavor = "current_thread")]
-    async fn a_flood_of_records_without_plaintext_does_not_hold_the_worker() -> anyhow::Result<()>
-    {
+    async fn a_flood_of_records_without_plaintext_does_not_hold_the_worker() -> anyhow::Result<()> {
         bounded(async {
             let secret = Arc::new(TrafficSecret::default());
             let log = secret.clone();
