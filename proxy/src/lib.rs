@@ -49,6 +49,30 @@ internal! {
     conn;
     admin;
 }
+
+// rustfmt does not expand macros, so it would skip the modules above: this list, which the
+// compiler never sees, is for `cargo fmt` alone (`scripts/test` checks every file as well).
+#[cfg(rustfmt)]
+mod admin;
+#[cfg(rustfmt)]
+mod conn;
+#[cfg(rustfmt)]
+mod dial;
+#[cfg(rustfmt)]
+mod discovery;
+#[cfg(rustfmt)]
+mod metrics;
+#[cfg(rustfmt)]
+mod resp;
+#[cfg(rustfmt)]
+mod rewrite;
+#[cfg(rustfmt)]
+mod source;
+#[cfg(rustfmt)]
+mod throttle;
+#[cfg(rustfmt)]
+mod tls;
+
 pub mod app;
 pub mod config;
 
