@@ -48,15 +48,17 @@ pub struct TlsSession {
 struct State {
     conn: Connection,
     /// Whether the next write goes straight to the socket: true until a write finds the
-    /// socket full, and again after a flush that did not wait.
+    /// socket full, and again after a push that did not wait (`poll_push`).
     straight: bool,
-    /// Whether the flush under way has waited for the socket.
+    /// Whether the push under way has waited for the socket.
     waited: bool,
 }
 
 impl TlsSession {
     /// The session on `tcp`; `early` is what was read from the socket for the handshake
-    /// and not yet given to rustls (nothing, in practice: the hello is read whole).
+    /// and not yet given to rustls (nothing, in practice: the hello is read whole, and a
+    /// client sends nothing more before the server's handshake, so it cannot hold the 16 KiB
+    /// of plaintext past which rustls's `read_tls` would refuse it).
     pub fn new(tcp: TcpStream, conn: impl Into<Connection>, mut early: &[u8]) -> io::Result<Self> {
         let mut conn = conn.into();
         while !early.is_empty() {
@@ -93,8 +95,10 @@ impl TlsSession {
     }
 
     /// The session. Both halves are polled by the connection's one task, so the lock is
-    /// never contended; a panic while it was held (none is expected from rustls) leaves
-    /// the session as it was, which the next read or write reports on.
+    /// never contended (each with a waker of its own, though: the reader never waits for
+    /// the socket to be writable, which would take the writer's waker's place); a panic
+    /// while it was held (none is expected from rustls) leaves the session as it was, which
+    /// the next read or write reports on.
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -162,7 +166,7 @@ impl Write for SocketWrite<'_> {
 
 /// Writes what rustls has queued until it is all out or the socket is full (`Ok`), without
 /// waiting: straight, or through tokio's readiness while the socket is known to fill (a
-/// `WouldBlock` there clears it, so the flush's wait that follows tries no write first).
+/// `WouldBlock` there clears it, so the wait that follows tries no write first).
 fn push(state: &mut State, tcp: &TcpStream) -> io::Result<()> {
     while state.conn.wants_write() {
         let mut socket = if state.straight {
@@ -183,8 +187,9 @@ fn push(state: &mut State, tcp: &TcpStream) -> io::Result<()> {
     Ok(())
 }
 
-/// Writes what rustls has queued, waiting for the socket as it fills. Writes go straight
-/// again once a flush is done without waiting.
+/// Writes what rustls has queued, waiting for the socket as it fills (a flush, a write whose
+/// queue is full, shutdown). Writes go straight again once one such push is done without
+/// waiting.
 fn poll_push(state: &mut State, tcp: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
     while state.conn.wants_write() {
         match state.conn.write_tls(&mut SocketWrite::Waiting(tcp)) {
@@ -230,9 +235,9 @@ impl Source for TlsReader<'_> {
     ) -> impl Future<Output = io::Result<usize>> + Send + 'a {
         let session = self.session;
         std::future::poll_fn(move |cx| {
-            // Each read spends the task's coop budget, as the plain source's readiness
-            // check does: `try_io` spends none, and a sender whose records keep the
-            // socket full (empty records, say) must not hold the worker in this loop.
+            // The coop budget, as the plain source's readiness check spends it (`try_io`
+            // spends none). A sender whose records keep the socket full (empty records,
+            // say) is bounded by the turns below: the budget is spent once per poll.
             let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
             let tcp = &session.tcp;
             let mut state = session.lock();
