@@ -325,6 +325,7 @@ impl Pairing {
     }
 
     /// `n` replies of the same expectation, joined to the run at the back if it is one.
+    #[inline]
     fn push_n(&mut self, e: Expect, n: u64) {
         if let Some((last, run)) = self.queue.back_mut() {
             // The common case, without the general comparison of two `Expect`s.
@@ -392,6 +393,7 @@ impl Pairing {
 
     /// Entries in the queue and in the transaction being queued: runs of like commands
     /// (what costs memory).
+    #[inline]
     pub fn entries(&self) -> usize {
         // The transaction is looked at only in one: its vector is off the hot cache line.
         debug_assert!(self.in_multi || self.transaction.is_empty());
@@ -690,6 +692,7 @@ impl Pairing {
     /// Whether replies can no longer be paired from here on: a reply was found that no
     /// command waits for, or the next reply due comes after a command that cannot be
     /// followed. The connection is then closed before any more bytes are paired.
+    #[inline]
     pub fn lost(&self) -> Option<Lost> {
         self.lost.or(match self.front() {
             Some(Expect::Lost(lost)) => Some(*lost),
@@ -703,12 +706,18 @@ impl Pairing {
     /// Valkey ran although the pairing took it as skipped, say a `CLIENT REPLY SKIP` that
     /// an ACL refused), or anything but `+QUEUED`, an error or a push where a queued
     /// command's reply is due (the transaction never started).
+    #[inline]
     pub fn lost_at(&self, ty: u8) -> Option<Lost> {
-        let front = self.front();
-        // The common case first: a reply due to a plain command.
-        if matches!(front, Some(Expect::Other)) && self.lost.is_none() {
+        // The common case inline: a reply due to a plain command.
+        if matches!(self.front(), Some(Expect::Other)) && self.lost.is_none() {
             return None;
         }
+        self.lost_at_other(ty)
+    }
+
+    /// [`Pairing::lost_at`] past its common case.
+    fn lost_at_other(&self, ty: u8) -> Option<Lost> {
+        let front = self.front();
         if let Some(lost) = self.lost() {
             return Some(lost);
         }
@@ -827,6 +836,7 @@ impl Pairing {
     /// may be placed with [`Pairing::took_plain`]. If more is queued behind the run, its
     /// last reply is left to be placed as any reply, as what follows may change with it (a
     /// transaction's protocol, a MONITOR that gets no reply).
+    #[inline]
     pub fn plain_run(&self) -> u64 {
         match self.queue.front() {
             Some((Expect::Other, n)) if !self.monitor && !self.general_only => {
@@ -841,6 +851,7 @@ impl Pairing {
     }
 
     /// Places `n` replies within [`Pairing::plain_run`].
+    #[inline]
     pub fn took_plain(&mut self, n: u64) {
         debug_assert!(n <= self.plain_run());
         let last = self.queue.len() == 1;
@@ -1192,6 +1203,7 @@ impl Commands for Pairing {
     /// Outside a transaction and with replies on, a command whose name the pairing does
     /// not look at (most: GET, SET) is one more of a run of plain commands, whatever its
     /// arguments.
+    #[inline]
     fn counts_plain(&self) -> bool {
         !(self.in_multi || self.reply_off || self.skip_next || self.general_only)
     }
@@ -1207,9 +1219,15 @@ impl Commands for Pairing {
         }
     }
 
+    #[inline]
     fn plain(&mut self, n: u64) {
         self.requested = true;
-        self.push_n(Expect::Other, n);
+        // `push_n` without its comparison of two `Expect`s and the drop of one: the queue is
+        // empty at every read at pipeline 1.
+        match self.queue.back_mut() {
+            Some((Expect::Other, run)) => *run += n,
+            _ => self.queue.push_back((Expect::Other, n)),
+        }
     }
 }
 

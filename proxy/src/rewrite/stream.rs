@@ -15,9 +15,10 @@
 //! - a reply to a topology command, whole, up to [`Limits::max_frame`] (past it the
 //!   connection closes: streaming it would leak internal addresses).
 
+use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
@@ -149,6 +150,7 @@ impl RequestSide {
     }
 
     /// Notes the commands in `buf` (which is then forwarded unchanged).
+    #[inline]
     pub fn observe(&mut self, buf: &[u8], shared: &Shared) -> Result<(), RespError> {
         let mut pairing = shared.pairing();
         let fed = self.scanner.feed_to(buf, &mut *pairing);
@@ -161,11 +163,10 @@ impl RequestSide {
         fed
     }
 
-    /// Waits until more requests may be read ([`Shared::room_for_requests`]).
-    pub async fn ready(&self, shared: &Shared) {
-        if !self.room {
-            shared.room_for_requests().await;
-        }
+    /// What to wait for before more requests may be read ([`Shared::room_for_requests`]),
+    /// if the queue was long when the last commands were noted.
+    pub fn wait<'s>(&self, shared: &'s Shared) -> Option<impl Future<Output = ()> + Send + 's> {
+        (!self.room).then(|| shared.room_for_requests())
     }
 }
 
@@ -287,7 +288,9 @@ impl ReplySide {
         self.lost = Some(lost);
     }
 
-    /// Processes `input`, appending what to send to `out`, and accounting in `report`.
+    /// Processes `input`, appending what to send to `out`, and accounting in `report`: the
+    /// two steps below in one (the proxy takes them apart, tests and benchmarks do not).
+    #[cfg(any(test, feature = "test-util"))]
     pub fn process(
         &mut self,
         input: &[u8],
@@ -296,11 +299,68 @@ impl ReplySide {
         out: &mut Vec<Segment>,
         report: &mut Report,
     ) -> Result<(), RespError> {
-        let mut pairing = shared.pairing();
+        match self.skip_plain_replies(input, shared) {
+            Skipped::All => {
+                emit(out, 0..input.len());
+                Ok(())
+            }
+            Skipped::Rest(rest) => self.process_rest(input, rest, shared, map, out, report),
+        }
+    }
+
+    /// The first step of [`ReplySide::process`], taken alone: the replies to plain commands
+    /// that start `input`. Most reads hold only those (every read of GET or SET replies at
+    /// pipeline 1), and then the caller sends `input` as it came, with no output segments
+    /// and no report to set up and account (callgrind, GET at pipeline 1: 250 user-space
+    /// instructions fewer per request, of the 1,066 that rewriting added).
+    pub fn skip_plain_replies<'s>(&mut self, input: &[u8], shared: &'s Shared) -> Skipped<'s> {
+        let pairing = shared.pairing();
+        let mut rest = Rest { at: 0, pairing };
+        let Some(&ty) = input.first() else {
+            return Skipped::Rest(rest);
+        };
+        if self.lost.is_some() || self.scanner.in_frame() || self.capture.is_some() {
+            return Skipped::Rest(rest);
+        }
+        let pairing = &mut rest.pairing;
+        if pairing.lost_at(ty).is_some() {
+            return Skipped::Rest(rest);
+        }
+        let run = pairing.plain_run();
+        if run == 0 {
+            return Skipped::Rest(rest);
+        }
+        let (n, end) = self.scanner.skip_plain(input, 0, run);
+        if n > 0 {
+            pairing.took_plain(n);
+            rest.at = end;
+        }
+        // What the general path does at the end of its input, past a whole frame.
+        if rest.at == input.len() && pairing.lost().is_none() {
+            wake_requests(pairing, shared);
+            return Skipped::All;
+        }
+        Skipped::Rest(rest)
+    }
+
+    /// [`ReplySide::process`] from where [`ReplySide::skip_plain_replies`] stopped: the
+    /// input before `rest.at` goes out as it came.
+    pub fn process_rest(
+        &mut self,
+        input: &[u8],
+        rest: Rest<'_>,
+        shared: &Shared,
+        map: &AddressMap,
+        out: &mut Vec<Segment>,
+        report: &mut Report,
+    ) -> Result<(), RespError> {
+        let Rest {
+            at: mut i,
+            mut pairing,
+        } = rest;
         // Start of the input not yet emitted; while a piece is captured, where its bytes in
         // this input start.
         let mut pending = 0;
-        let mut i = 0;
         if self.lost.is_some() {
             return Ok(());
         }
@@ -409,14 +469,7 @@ impl ReplySide {
                 self.give_up(lost, out);
             }
         }
-        // Looked at before it is swapped (an atomic write per read otherwise): the lock
-        // held here orders the look against the request side's `room_for_requests`.
-        if pairing.entries() < MAX_PENDING / 2
-            && shared.waiting.load(Ordering::Relaxed)
-            && shared.waiting.swap(false, Ordering::SeqCst)
-        {
-            shared.room.notify_waiters();
-        }
+        wake_requests(&pairing, shared);
         Ok(())
     }
 
@@ -714,6 +767,33 @@ struct Piece<'a> {
     complete: bool,
 }
 
+/// What [`ReplySide::skip_plain_replies`] did with a read.
+pub enum Skipped<'s> {
+    /// It all answers plain commands: it goes out as it came, and nothing else does.
+    All,
+    /// The rest is for [`ReplySide::process_rest`].
+    Rest(Rest<'s>),
+}
+
+/// Where [`ReplySide::skip_plain_replies`] stopped, with the pairing's lock still held.
+pub struct Rest<'s> {
+    at: usize,
+    pairing: MutexGuard<'s, Pairing>,
+}
+
+/// Wakes the request side if it waits for room and replies made it (`pairing` is the
+/// lock held by the reply side).
+fn wake_requests(pairing: &Pairing, shared: &Shared) {
+    // Looked at before it is swapped (an atomic write per read otherwise): the lock held
+    // by the caller orders the look against the request side's `room_for_requests`.
+    if pairing.entries() < MAX_PENDING / 2
+        && shared.waiting.load(Ordering::Relaxed)
+        && shared.waiting.swap(false, Ordering::SeqCst)
+    {
+        shared.room.notify_waiters();
+    }
+}
+
 /// Appends an input range, merging it with the previous one when they touch.
 fn emit(out: &mut Vec<Segment>, r: Range<usize>) {
     if r.is_empty() {
@@ -778,6 +858,10 @@ mod tests {
     async fn a_client_far_ahead_of_its_replies_waits_for_them() {
         let shared = Shared::new(true);
         let mut requests = RequestSide::new(Limits::default());
+        assert!(
+            requests.wait(&shared).is_none(),
+            "a wait with the queue empty"
+        );
         // Alternating commands cannot share queue entries.
         let n = MAX_PENDING / 2 + 1;
         requests
@@ -785,7 +869,7 @@ mod tests {
             .unwrap();
         // The same wait, parked and then woken by the replies (a bound, not a pause: it
         // ends as soon as it is woken).
-        let mut wait = Box::pin(requests.ready(&shared));
+        let mut wait = Box::pin(requests.wait(&shared).expect("a wait with the queue full"));
         assert!(
             tokio::time::timeout(Duration::from_millis(50), &mut wait)
                 .await
