@@ -622,8 +622,9 @@ struct Replies<'s> {
     side: &'s mut ReplySide,
     shared: &'s Shared,
     forwarder: &'s Forwarder,
-    /// The table's address map, taken again when `routes` has changed: a lock on the
-    /// shared table per read would be a cache line every thread writes.
+    /// The table's address map, taken again when `routes` has changed, looked at on a read
+    /// that is more than replies to plain commands (the only reads that use it): a lock on
+    /// the shared table per read would be a cache line every thread writes.
     map: Arc<AddressMap>,
     routes: RouteRx,
     addresses: Addresses,

@@ -272,7 +272,7 @@ impl ReplySide {
     }
 
     /// Set once the pairing was lost: the connection is to be closed after the bytes of the
-    /// last `process` call (which end with an error line to the client).
+    /// last read processed (which end with an error line to the client).
     pub fn lost(&self) -> Option<Lost> {
         self.lost
     }
