@@ -409,8 +409,8 @@ impl RequestScanner {
     /// The whole commands at the start of `buf` that [`RequestScanner::whole_command`]
     /// reads and whose names `C` takes as plain: how many, and where they end.
     ///
-    /// Out of line, so that the loop has the registers to itself: it is called once per
-    /// read.
+    /// Out of line, so that the loop has the registers to itself: it is called once or
+    /// twice per read.
     #[inline(never)]
     fn plain_commands<C: Commands>(&self, buf: &[u8]) -> (u64, usize) {
         // A line limit under three bytes would refuse the short headers: take every command

@@ -768,6 +768,7 @@ struct Piece<'a> {
 }
 
 /// What [`ReplySide::skip_plain_replies`] did with a read.
+#[must_use = "a read not all skipped must go on to `ReplySide::process_rest`"]
 pub enum Skipped<'s> {
     /// It all answers plain commands: it goes out as it came, and nothing else does.
     All,
