@@ -1222,12 +1222,7 @@ impl Commands for Pairing {
     #[inline]
     fn plain(&mut self, n: u64) {
         self.requested = true;
-        // `push_n` without its comparison of two `Expect`s and the drop of one: the queue is
-        // empty at every read at pipeline 1.
-        match self.queue.back_mut() {
-            Some((Expect::Other, run)) => *run += n,
-            _ => self.queue.push_back((Expect::Other, n)),
-        }
+        self.push_n(Expect::Other, n);
     }
 }
 
