@@ -27,15 +27,18 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
+use futures_util::future::Either;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_rustls::client::TlsStream;
 
 use super::buffers::{Buffer, Source};
 use super::join::try_join;
 use super::keepalive::LateKeepalive;
+use super::serve::{Ending, Serve};
 use super::sink::Sink;
 use super::tls_session::TlsSession;
 use super::watch::{watch, Activity, HardStop, Watched};
@@ -196,16 +199,30 @@ pub fn warnings() -> Throttle<(u16, &'static str)> {
 
 impl Forwarder {
     /// Serves one accepted client connection on listener `port` with its route, taken at
-    /// accept time. Counts and logs the outcome.
-    /// `peer` is the address accept gave.
-    pub async fn serve(&self, client: TcpStream, peer: SocketAddr, port: u16, route: Arc<Route>) {
-        let peer = Some(peer);
+    /// accept time, holding `permit` (of the connection limit) until it ends. Counts and
+    /// logs the outcome. `peer` is the address accept gave.
+    pub fn serve(
+        self: Arc<Self>,
+        client: TcpStream,
+        peer: SocketAddr,
+        port: u16,
+        route: Arc<Route>,
+        permit: OwnedSemaphorePermit,
+    ) -> Serve<impl Future<Output = Result<Closed, ForwardError>> + Send> {
         let open = self.opened(port);
-        // Awaited in place, not handed to another async fn: a future moved into another
-        // is stored twice, and a connection's state is what idle connections cost.
-        let outcome = self.forward(client, port, &route).await;
-        let dialled = route.dialled(self.backend_tls.is_some());
-        self.closed(open, peer, dialled, outcome);
+        // Not boxed: the connection is one allocation, and its state is what idle
+        // connections cost.
+        let forward = self.clone().forward(client, port, route.clone());
+        Serve::new(
+            forward,
+            Ending {
+                forwarder: self,
+                route,
+                peer,
+                open,
+                permit,
+            },
+        )
     }
 
     /// Counts a connection on listener `port` as accepted and active; hand the result to
@@ -276,30 +293,40 @@ impl Forwarder {
         }
     }
 
-    async fn forward(
-        &self,
+    /// The client's connection to its route's node, relayed until it ends (a plain fn
+    /// returning an `async move` block, as [`Forwarder::serve`]).
+    #[allow(clippy::manual_async_fn)]
+    fn forward(
+        self: Arc<Self>,
         mut client: TcpStream,
         port: u16,
-        route: &Route,
-    ) -> Result<Closed, ForwardError> {
-        if let Some(tls) = &self.backend_tls {
-            // Boxed whole: a plain connection's state does not grow by the TLS path's.
-            let tls = tls.borrow().clone();
-            return Box::pin(self.forward_tls(client, port, route, tls)).await;
+        route: Arc<Route>,
+    ) -> impl Future<Output = Result<Closed, ForwardError>> + Send {
+        async move {
+            if let Some(tls) = &self.backend_tls {
+                // Boxed whole: a plain connection's state does not grow by the TLS path's.
+                let tls = tls.borrow().clone();
+                return Box::pin(self.forward_tls(client, port, &route, tls)).await;
+            }
+            // Awaited in place: the dial's future and the relay's share the connection's
+            // storage, one after the other. Boxed, it was an allocation per connection, and
+            // the hole it left was where the next allocation (a rewriting connection's state)
+            // went, so that the next dial took new memory (+128 bytes per idle rewriting
+            // connection in the load harness).
+            let mut backend =
+                self.dialer
+                    .tcp(&route.backend)
+                    .await
+                    .map_err(|source| ForwardError::Dial {
+                        backend: route.backend.to_string(),
+                        source,
+                    })?;
+            // The client socket has its options from the listener (`dial::listen`).
+            let (cr, cw) = client.split();
+            let (br, bw) = backend.split();
+            let rewrite = route.rewrite.then_some(Addresses::Ports);
+            self.relay(port, rewrite, cr, cw, br, bw).await
         }
-        // Boxed: resolving and dialing take a large future that a connection needs only
-        // until it is connected.
-        let mut backend = Box::pin(self.dialer.tcp(&route.backend))
-            .await
-            .map_err(|source| ForwardError::Dial {
-                backend: route.backend.to_string(),
-                source,
-            })?;
-        // The client socket has its options from the listener (`dial::listen`).
-        let (cr, cw) = client.split();
-        let (br, bw) = backend.split();
-        let rewrite = route.rewrite.then_some(Addresses::Ports);
-        self.relay(port, rewrite, cr, cw, br, bw).await
     }
 
     /// [`Self::forward`] to a node that speaks TLS (`--tls-backend tls`).
@@ -382,7 +409,14 @@ impl Forwarder {
         } else {
             LateKeepalive::not_wanted()
         });
-        let copy = self.both(rewrite, cr, cw, br, bw, &up, &down, &clock);
+        // Boxed: it is large, and a plain connection's future should not be sized for it
+        // (idle connections are counted in thousands). Made here, in the one async layer
+        // below `forward`, so that the copy loops' future is built by plain calls: each
+        // async layer keeps its own copy of the arguments it hands on.
+        let mut state =
+            rewrite.map(|a| (a, Box::new(Rewriting::new(self.rewrite_info, self.limits))));
+        let rewriting = state.as_mut().map(|(a, s)| (*a, &mut **s));
+        let copy = self.both(rewriting, cr, cw, br, bw, &up, &down, &clock);
         match watch(copy, &self.hard_stop, &clock, self.idle_timeout).await {
             Watched::Done(r) => r.map(|()| Closed::Eof),
             Watched::Idle => Ok(Closed::Idle),
@@ -392,79 +426,77 @@ impl Forwarder {
 }
 
 impl Forwarder {
-    /// Both copy loops, plain or rewriting.
+    /// Both copy loops, plain or rewriting (with `rewriting`'s address map and state).
+    ///
+    /// Plain fns, not async ones, down to the copy loops: the future is the two loops
+    /// joined, and nothing else.
     #[allow(clippy::too_many_arguments)]
-    async fn both<CR, CW, BR, BW>(
-        &self,
-        rewrite: Option<Addresses>,
+    fn both<'a, CR, CW, BR, BW>(
+        &'a self,
+        rewriting: Option<(Addresses, &'a mut Rewriting)>,
         cr: CR,
         cw: CW,
         br: BR,
         bw: BW,
-        up: &PerThreadCounter,
-        down: &PerThreadCounter,
-        clock: &Activity,
-    ) -> Result<(), ForwardError>
+        up: &'a PerThreadCounter,
+        down: &'a PerThreadCounter,
+        clock: &'a Activity,
+    ) -> impl Future<Output = Result<(), ForwardError>> + Send + 'a
     where
-        CR: Source,
-        CW: Sink,
-        BR: Source,
-        BW: Sink,
+        CR: Source + 'a,
+        CW: Sink + 'a,
+        BR: Source + 'a,
+        BW: Sink + 'a,
     {
         let size = self.buffer_size;
-        match rewrite {
-            // Not boxed (a box is one more cache line per read): its state is, in
-            // `rewriting`, so that a plain connection's future is not sized for it.
-            Some(addresses) => {
-                self.rewriting(addresses, cr, cw, br, bw, up, down, clock)
-                    .await
+        match rewriting {
+            // Not boxed (a box is one more cache line per read): its state is, by `relay`,
+            // so that a plain connection's future is not sized for it.
+            Some((addresses, state)) => {
+                Either::Left(self.rewriting(addresses, state, cr, cw, br, bw, up, down, clock))
             }
-            None => {
-                try_join(
-                    copy(cr, bw, size, Plain, up, clock, Side::Client),
-                    copy(br, cw, size, Plain, down, clock, Side::Backend),
-                )
-                .await
-            }
+            None => Either::Right(try_join(
+                copy(cr, bw, size, Plain, up, clock, Side::Client),
+                copy(br, cw, size, Plain, down, clock, Side::Backend),
+            )),
         }
     }
 
     /// Both copy loops of a rewriting connection: its requests noted, its replies'
-    /// topology rewritten to `addresses`.
+    /// topology rewritten to `addresses`, in `state`.
     #[allow(clippy::too_many_arguments)]
-    async fn rewriting<CR, CW, BR, BW>(
-        &self,
+    fn rewriting<'a, CR, CW, BR, BW>(
+        &'a self,
         addresses: Addresses,
+        state: &'a mut Rewriting,
         cr: CR,
         cw: CW,
         br: BR,
         bw: BW,
-        up: &PerThreadCounter,
-        down: &PerThreadCounter,
-        clock: &Activity,
-    ) -> Result<(), ForwardError>
+        up: &'a PerThreadCounter,
+        down: &'a PerThreadCounter,
+        clock: &'a Activity,
+    ) -> impl Future<Output = Result<(), ForwardError>> + Send + 'a
     where
-        CR: Source,
-        CW: Sink,
-        BR: Source,
-        BW: Sink,
+        CR: Source + 'a,
+        CW: Sink + 'a,
+        BR: Source + 'a,
+        BW: Sink + 'a,
     {
-        // Boxed: it is large, and a plain connection's future should not be sized for it
-        // (idle connections are counted in thousands).
-        let mut state = Box::new(Rewriting::new(self.rewrite_info, self.limits));
         let Rewriting {
             shared,
             requests,
             replies,
-        } = &mut *state;
+        } = state;
         let shared = &*shared;
         let rejected = (self.metrics.rewrite.protocol_errors)
             .get_or_create(&ReasonLabels { reason: "client" })
             .clone();
         let size = self.buffer_size;
         let mut routes = self.routes.clone();
-        // The observers are built in the calls: as locals they would be stored twice. They
-        // hold their state by reference, so that the copy loops stay as small as plain ones.
+        let map = Forwarder::addresses(&mut routes, addresses);
+        // The observers hold their state by reference, so that the copy loops stay as
+        // small as plain ones.
         try_join(
             copy(
                 cr,
@@ -488,7 +520,7 @@ impl Forwarder {
                     side: replies,
                     shared,
                     forwarder: self,
-                    map: Forwarder::addresses(&mut routes, addresses),
+                    map,
                     routes,
                     addresses,
                     out: Vec::new(),
@@ -498,7 +530,6 @@ impl Forwarder {
                 Side::Backend,
             ),
         )
-        .await
     }
 
     /// The address map a rewriting connection hands out now (the latest table's), marked

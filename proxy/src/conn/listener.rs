@@ -120,11 +120,14 @@ impl Listeners {
                 self.reject("no_route");
                 continue;
             };
-            let forwarder = self.forwarder.clone();
-            self.connections.spawn(async move {
-                forwarder.serve(socket, peer, port, route).await;
-                drop(permit);
-            });
+            // The connection's own future, with nothing around it: a wrapping async block
+            // would hold the socket, route and permit a second time (an idle connection's
+            // memory is that future).
+            let serve = self
+                .forwarder
+                .clone()
+                .serve(socket, peer, port, route, permit);
+            self.connections.spawn(serve);
         }
         // The port refuses connections from here on; the gauge says so (a drain can be
         // watched closing its ports on /metrics).

@@ -13,6 +13,8 @@
 //!   second (most that end sooner never need it).
 //! - [`forward`]: one client connection on a node port: dial its node, then the copy loop
 //!   both ways, with the rewriting observers on rewriting listeners; how it ended, counted.
+//! - [`serve`]: a node-port connection's future, its forward then its end, written out so
+//!   that it is stored once.
 //! - [`tls_session`]: a TLS session (a client's on the TLS port, the proxy's to a TLS node)
 //!   read and written by the copy loop itself.
 //! - [`tls_port`]: one connection on the TLS port: read the ClientHello, route its SNI name,
@@ -23,6 +25,7 @@ pub mod forward;
 mod join;
 mod keepalive;
 pub mod listener;
+mod serve;
 mod sink;
 pub mod tls_port;
 mod tls_session;

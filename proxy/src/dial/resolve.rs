@@ -54,14 +54,14 @@ impl Resolver {
         match &backend.host {
             Host::Ip(ip) => Ok(vec![SocketAddr::new(*ip, backend.port)]),
             Host::Dns(name) => {
-                let lookup =
-                    self.inner
-                        .lookup_ip(name.as_str())
-                        .await
-                        .map_err(|e| DialError::Resolve {
-                            name: name.clone(),
-                            message: e.to_string(),
-                        })?;
+                // Boxed: the lookup's future is over a kilobyte, and every connection's
+                // future would be sized for it (a dial to an IP address needs none).
+                let lookup = Box::pin(self.inner.lookup_ip(name.as_str()))
+                    .await
+                    .map_err(|e| DialError::Resolve {
+                        name: name.clone(),
+                        message: e.to_string(),
+                    })?;
                 let addrs: Vec<SocketAddr> = lookup
                     .iter()
                     .map(|ip| SocketAddr::new(ip, backend.port))

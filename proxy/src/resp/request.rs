@@ -7,8 +7,11 @@ use super::RespError;
 
 /// How many leading arguments (the name included) are kept.
 pub const KEPT_ARGS: usize = 3;
-/// Arguments longer than this are not kept (no command name or subcommand is).
-pub const KEPT_LEN: usize = 32;
+/// Arguments longer than this are not kept (no command name, subcommand or INFO section
+/// that the pairing looks at is: the longest are 12 bytes). Three of them are in every
+/// rewriting connection's state, so that 16 rather than 32 is 64 bytes less per idle
+/// connection (its request side one cache line shorter).
+pub const KEPT_LEN: usize = 16;
 
 /// One kept argument, lowercased, inline: a connection's command names cost no allocation.
 #[derive(Debug, Clone, Copy)]
@@ -174,8 +177,9 @@ pub struct RequestScanner {
     /// Arguments still to come, and the index of the current one.
     args_left: u64,
     index: u64,
-    /// The error of [`State::Doomed`], and the bytes seen since.
-    doomed: Option<RespError>,
+    /// The error of [`State::Doomed`], and the bytes seen since. Boxed: rare, and inline it
+    /// would take the request side past three cache lines.
+    doomed: Option<Box<RespError>>,
     doomed_len: usize,
     line: Vec<u8>,
     cmd: Command,
@@ -340,7 +344,7 @@ impl RequestScanner {
                         None => false,
                     };
                     if cr_then_more {
-                        let e = self.doomed.take().unwrap_or(RespError::Type(b'?'));
+                        let e = self.doomed.take().map_or(RespError::Type(b'?'), |e| *e);
                         return Err(e);
                     }
                     self.doomed_len += buf.len() - i;
@@ -459,7 +463,7 @@ impl RequestScanner {
     /// Valkey rejects what came with `e`, once a CR follows.
     fn doom(&mut self, e: RespError) {
         self.state = State::Doomed;
-        self.doomed = Some(e);
+        self.doomed = Some(Box::new(e));
         self.doomed_len = 0;
     }
 
