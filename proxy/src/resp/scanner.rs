@@ -491,10 +491,10 @@ fn whole_line(buf: &[u8]) -> Option<usize> {
     (nl > 0 && buf[nl] == b'\r').then_some(nl + 2)
 }
 
-/// Up to `max` whole replies at the start of `buf` that are `+OK` or bulk strings whose
-/// lengths have one or two digits, as [`whole_line`] and [`whole_bulk`] read them: how
-/// many, and where they end. A loop of its own, with nothing else to keep in registers;
-/// the line limit must be 2 or more.
+/// Up to `max` whole replies at the start of `buf` that are `+OK`, null bulk strings (a
+/// GET's miss) or bulk strings whose lengths have one or two digits, as [`whole_line`] and
+/// [`whole_bulk`] read them: how many, and where they end. A loop of its own, with nothing
+/// else to keep in registers; the line limit must be 2 or more.
 #[inline(always)]
 fn short_replies(buf: &[u8], max: u64) -> (u64, usize) {
     let (mut n, mut at) = (0, 0);
@@ -507,7 +507,7 @@ fn short_replies(buf: &[u8], max: u64) -> (u64, usize) {
                 }
                 end + 2
             }
-            None if buf.get(at..at + 5) == Some(b"+OK\r\n") => at + 5,
+            None if matches!(buf.get(at..at + 5), Some(b"+OK\r\n" | b"$-1\r\n")) => at + 5,
             None => break,
         };
         n += 1;
@@ -613,8 +613,8 @@ mod tests {
         }
     }
 
-    /// The short loop takes a bulk string only as the inline reading does, `+OK` as a
-    /// line, and stops at `max`.
+    /// The short loop takes a bulk string (a null one too) only as the inline reading does,
+    /// `+OK` as a line, and stops at `max`.
     #[test]
     fn the_short_loop_reads_replies_as_the_inline_reading() {
         every_buffer(b'$', b"019-\r\nx", 7, |buf| {
@@ -640,7 +640,9 @@ mod tests {
         let three = b"$10\r\n0123456789\r\n+OK\r\n$3\r\nabc\r\n+OKAY\r\n";
         assert_eq!(short_replies(three, 5), (3, 31));
         assert_eq!(short_replies(three, 1), (1, 17));
-        assert_eq!(short_replies(b"$-1\r\n$3\r\nabc\r\n", 5), (0, 0));
+        // A GET's miss, then a hit.
+        assert_eq!(short_replies(b"$-1\r\n$3\r\nabc\r\n", 5), (2, 14));
+        assert_eq!(short_replies(b"$-2\r\n", 5), (0, 0));
         assert_eq!(short_replies(b"+OK\r", 5), (0, 0));
     }
 
