@@ -170,11 +170,12 @@ impl Listeners {
                 _permit: permit,
                 _slot: slot,
             };
-            let tls = tls.clone();
-            let limit = self.limit.clone();
-            self.connections.spawn(async move {
-                tls.serve(socket, peer, handshake, limit).await;
-            });
+            // Spawned as it is, as a node port's connection is (a wrapping block would
+            // hold its arguments a second time).
+            let serve = tls
+                .clone()
+                .serve(socket, peer, handshake, self.limit.clone());
+            self.connections.spawn(serve);
         }
     }
 

@@ -63,7 +63,7 @@ impl TlsServer {
     /// here.
     /// `peer` is the address accept gave; the socket has its options from the listener.
     pub async fn serve(
-        &self,
+        self: Arc<Self>,
         mut tcp: TcpStream,
         peer: SocketAddr,
         handshake: Handshake,
@@ -138,55 +138,77 @@ impl TlsServer {
                 self.forwarder.closed(open, peer, &backend, outcome);
             }
             TlsMode::Terminate { config } => {
-                let acceptor = TlsAcceptor::from(config.borrow().clone());
-                let accept = acceptor.accept(PrefixedIo::new(hello.prefix, tcp));
-                let client = match tokio::time::timeout(self.limits.timeout, accept).await {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        // rustls has sent its alert already.
-                        self.metrics.tls.refuse("handshake");
-                        if let Some(suppressed) = self.refusal_due("handshake", peer) {
-                            tracing::info!(port = self.port, ?peer, sni = %name, suppressed, "TLS handshake failed: {e}");
-                        }
-                        return;
-                    }
-                    Err(_) => {
-                        self.metrics.tls.refuse("timeout");
-                        if let Some(suppressed) = self.refusal_due("timeout", peer) {
-                            tracing::info!(port = self.port, ?peer, sni = %name, suppressed, "TLS handshake timed out");
-                        }
-                        return;
-                    }
-                };
-                drop(handshake);
-                let Some(_permit) = self.connection_permit(&limit, peer) else {
-                    // The session is up: the client reads RESP now, so it gets Valkey's line.
-                    let mut client = client;
-                    let send = async {
-                        client.write_all(MAX_CLIENTS_REPLY).await?;
-                        client.shutdown().await
-                    };
-                    let _ = tokio::time::timeout(Duration::from_secs(1), send).await;
-                    return;
-                };
-                let version = match client.get_ref().1.protocol_version() {
-                    Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1_3",
-                    Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1_2",
-                    _ => "other",
-                };
-                self.metrics
-                    .tls
-                    .handshakes
-                    .get_or_create(&TlsVersionLabels { version })
-                    .inc();
                 let backend = self
                     .forwarder
                     .backend_tls
                     .as_ref()
                     .map(|t| t.borrow().clone());
                 let shown = first.dialled(backend.is_some()).clone();
+                // Made in a block of its own and lent to `terminate`: the stream it is made
+                // from, and the session itself, are then not kept twice for the
+                // connection's life (an idle TLS connection's memory is this future).
+                let (session, _permit) = {
+                    let acceptor = TlsAcceptor::from(config.borrow().clone());
+                    let accept = acceptor.accept(PrefixedIo::new(hello.prefix, tcp));
+                    let client = match tokio::time::timeout(self.limits.timeout, accept).await {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            // rustls has sent its alert already.
+                            self.metrics.tls.refuse("handshake");
+                            if let Some(suppressed) = self.refusal_due("handshake", peer) {
+                                tracing::info!(port = self.port, ?peer, sni = %name, suppressed, "TLS handshake failed: {e}");
+                            }
+                            return;
+                        }
+                        Err(_) => {
+                            self.metrics.tls.refuse("timeout");
+                            if let Some(suppressed) = self.refusal_due("timeout", peer) {
+                                tracing::info!(port = self.port, ?peer, sni = %name, suppressed, "TLS handshake timed out");
+                            }
+                            return;
+                        }
+                    };
+                    drop(handshake);
+                    let Some(permit) = self.connection_permit(&limit, peer) else {
+                        // The session is up: the client reads RESP now, so it gets Valkey's
+                        // line.
+                        let mut client = client;
+                        let send = async {
+                            client.write_all(MAX_CLIENTS_REPLY).await?;
+                            client.shutdown().await
+                        };
+                        let _ = tokio::time::timeout(Duration::from_secs(1), send).await;
+                        return;
+                    };
+                    let version = match client.get_ref().1.protocol_version() {
+                        Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1_3",
+                        Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1_2",
+                        _ => "other",
+                    };
+                    self.metrics
+                        .tls
+                        .handshakes
+                        .get_or_create(&TlsVersionLabels { version })
+                        .inc();
+                    let (io, conn) = client.into_inner();
+                    let (early, tcp) = io.into_parts();
+                    match TlsSession::new(tcp, conn, &early) {
+                        Ok(session) => (session, permit),
+                        Err(source) => {
+                            let open = self.forwarder.opened(self.port);
+                            let e = ForwardError::Io {
+                                side: Side::Client,
+                                source,
+                            };
+                            self.forwarder.closed(open, peer, &shown, Err(e));
+                            return;
+                        }
+                    }
+                };
                 let open = self.forwarder.opened(self.port);
-                let outcome = self.terminate(client, backend.as_deref(), &selected).await;
+                let outcome = self
+                    .terminate(&session, backend.as_deref(), &selected)
+                    .await;
                 self.forwarder.closed(open, peer, &shown, outcome);
             }
         }
@@ -298,18 +320,13 @@ impl TlsServer {
         self.forwarder.relay(self.port, None, cr, cw, br, bw).await
     }
 
+    /// The client's `session`, forwarded to the selected node.
     async fn terminate(
         &self,
-        client: tokio_rustls::server::TlsStream<PrefixedIo<TcpStream>>,
+        session: &TlsSession,
         backend_tls: Option<&BackendTls>,
         selected: &Selected,
     ) -> Result<Closed, ForwardError> {
-        let (io, conn) = client.into_inner();
-        let (early, tcp) = io.into_parts();
-        let session = TlsSession::new(tcp, conn, &early).map_err(|source| ForwardError::Io {
-            side: Side::Client,
-            source,
-        })?;
         let (cr, cw) = session.split();
         match backend_tls {
             None => {
