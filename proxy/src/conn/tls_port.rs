@@ -138,12 +138,7 @@ impl TlsServer {
                 self.forwarder.closed(open, peer, &backend, outcome);
             }
             TlsMode::Terminate { config } => {
-                let backend = self
-                    .forwarder
-                    .backend_tls
-                    .as_ref()
-                    .map(|t| t.borrow().clone());
-                let shown = first.dialled(backend.is_some()).clone();
+                let shown = first.dialled(self.forwarder.backend_tls.is_some()).clone();
                 // Made in a block of its own and lent to `terminate`: the stream it is made
                 // from, and the session itself, are then not kept twice for the
                 // connection's life (an idle TLS connection's memory is this future).
@@ -205,6 +200,12 @@ impl TlsServer {
                         }
                     }
                 };
+                // The TLS legs' settings in force once the handshake is done.
+                let backend = self
+                    .forwarder
+                    .backend_tls
+                    .as_ref()
+                    .map(|t| t.borrow().clone());
                 let open = self.forwarder.opened(self.port);
                 let outcome = self
                     .terminate(&session, backend.as_deref(), &selected)
