@@ -294,7 +294,7 @@ impl Forwarder {
     }
 
     /// The client's connection to its route's node, relayed until it ends (a plain fn
-    /// returning an `async move` block, as [`Forwarder::serve`]).
+    /// returning an `async move` block, as [`copy`] is).
     #[allow(clippy::manual_async_fn)]
     fn forward(
         self: Arc<Self>,
