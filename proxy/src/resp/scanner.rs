@@ -171,6 +171,15 @@ impl Scanner {
         self.in_frame
     }
 
+    /// The bytes still to come of a top-level bulk string whose header has been read, its
+    /// CRLF included: what a capture of it can reserve at once.
+    pub fn top_payload_left(&self) -> Option<u64> {
+        match self.state {
+            State::Payload { left } if self.stack.is_empty() => Some(left),
+            _ => None,
+        }
+    }
+
     /// Scans `buf[from..]`, continuing the frame in progress, and stops at the end of the
     /// first top-level frame that completes.
     pub fn scan(&mut self, buf: &[u8], from: usize) -> Result<Scan, RespError> {
@@ -573,6 +582,23 @@ mod tests {
     use super::*;
     use crate::resp::request::tests::every_buffer;
     use proptest::prelude::*;
+
+    /// What is left of a top-level bulk string is known once its header is read (the
+    /// reserve of a CLUSTER NODES capture); not of a bulk inside an array, nor of a line.
+    #[test]
+    fn a_top_level_bulk_says_what_is_left_of_it() {
+        let mut s = Scanner::default();
+        assert_eq!(s.top_payload_left(), None);
+        assert_eq!(s.scan(b"$10\r\nabc", 0), Ok(Scan::Incomplete));
+        assert_eq!(s.top_payload_left(), Some(9), "7 bytes and the CRLF");
+        assert_eq!(s.scan(b"defghij\r\n", 0), Ok(Scan::Complete { end: 9 }));
+        assert_eq!(s.top_payload_left(), None);
+        assert_eq!(s.scan(b"*1\r\n$4\r\nab", 0), Ok(Scan::Incomplete));
+        assert_eq!(s.top_payload_left(), None, "inside an array");
+        let mut s = Scanner::default();
+        assert_eq!(s.scan(b"+OK", 0), Ok(Scan::Incomplete));
+        assert_eq!(s.top_payload_left(), None, "a line");
+    }
 
     /// A bulk string's inline reading agrees with its general one: every bulk-like buffer
     /// of up to seven bytes after the `$`, under each small line limit (the property tests

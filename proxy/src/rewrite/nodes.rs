@@ -105,21 +105,14 @@ fn node_line(line: &[u8]) -> Option<NodeLine<'_>> {
     // The id: 40 hex digits, then a space.
     let id = line.get(..40).filter(|id| is_id(id))?;
     let mut at = space(line, 40)?;
-    // The address: up to the next space, noting the first `@`, the last `:` before it and
-    // the first `,` after it.
+    // The address: up to the next space; its first `@`, the last `:` before that and the
+    // first `,` after it. Searched with memchr, not a byte loop with a branch per byte:
+    // that loop was a third of this function's instructions.
     let field = at;
-    let (mut colon, mut arobase, mut comma) = (None, None, None);
-    loop {
-        match *line.get(at)? {
-            b' ' => break,
-            b':' if arobase.is_none() => colon = Some(at),
-            b'@' if arobase.is_none() => arobase = Some(at),
-            b',' if arobase.is_some() && comma.is_none() => comma = Some(at),
-            _ => {}
-        }
-        at += 1;
-    }
-    let (colon, arobase) = (colon?, arobase?);
+    at = field + memchr::memchr(b' ', &line[field..])?;
+    let arobase = field + memchr::memchr(b'@', &line[field..at])?;
+    let colon = field + memchr::memrchr(b':', &line[field..arobase])?;
+    let comma = memchr::memchr(b',', &line[arobase..at]).map(|c| arobase + c);
     let (port, cport) = (
         &line[colon + 1..arobase],
         &line[arobase + 1..comma.unwrap_or(at)],

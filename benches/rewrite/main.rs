@@ -39,16 +39,17 @@
 //! baselines are the same bytes (same length for RESP3 maps, whose key order redis-protocol
 //! does not keep), every node was rewritten and no internal address is left.
 //!
-//! Run: `cargo bench -p shardgate-benches --bench rewrite` (about two minutes).
+//! Run: `cargo bench -p shardgate-benches --bench rewrite` (about two minutes). The same cases
+//! counted in instructions per reply by callgrind: see [`count`].
+mod count;
+
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use criterion::{
-    criterion_group, criterion_main, BatchSize, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
-};
+use criterion::{criterion_group, BatchSize, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use shardgate_crds::{NodeRef, PortLayout};
 use shardgate_proxy::model::{Backend, Route, Routes};
 use shardgate_proxy::rewrite::stream::{Limits, ReplySide, RequestSide, Segment, Shared};
@@ -1137,14 +1138,19 @@ fn streams(c: &mut Criterion) {
     group.finish();
 }
 
+/// The topology groups: name, reply, RESP3.
+const TOPOLOGY_GROUPS: [(&str, Kind, bool); 4] = [
+    ("cluster_slots_resp2", Kind::Slots, false),
+    ("cluster_shards_resp2", Kind::Shards, false),
+    ("cluster_shards_resp3", Kind::Shards, true),
+    ("cluster_nodes_resp2", Kind::Nodes, false),
+];
+/// Each topology group's clusters (the benchmark parameter).
+const SHARDS: [u32; 3] = [3, 30, 300];
+
 fn topologies(c: &mut Criterion) {
-    let topologies: Vec<Topology> = [3, 30, 300].into_iter().map(Topology::new).collect();
-    for (name, kind, resp3) in [
-        ("cluster_slots_resp2", Kind::Slots, false),
-        ("cluster_shards_resp2", Kind::Shards, false),
-        ("cluster_shards_resp3", Kind::Shards, true),
-        ("cluster_nodes_resp2", Kind::Nodes, false),
-    ] {
+    let topologies: Vec<Topology> = SHARDS.into_iter().map(Topology::new).collect();
+    for (name, kind, resp3) in TOPOLOGY_GROUPS {
         let mut group = c.benchmark_group(name);
         configure(&mut group);
         for t in &topologies {
@@ -1158,4 +1164,12 @@ fn topologies(c: &mut Criterion) {
 }
 
 criterion_group!(benches, streams, topologies);
-criterion_main!(benches);
+
+fn main() -> anyhow::Result<()> {
+    if count::from_env()? {
+        return Ok(());
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    Ok(())
+}
