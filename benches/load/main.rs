@@ -34,6 +34,18 @@ use shardgate_harness::valkey::{ClusterSpec, Standalone, ValkeyCluster};
 use peers::{Kind, Peer, RouteSpec};
 use report::Sample;
 
+/// What `--help` prints (the options `Settings::parse` takes).
+const USAGE: &str = "\
+The load-comparison harness (run it with scripts/bench-load, which builds the release proxy):
+  --quick              1 round, fewer requests, 2,000 idle connections (a smoke run)
+  --rounds N           rounds, each every workload on every data plane (default 5)
+  --threads 1,2        worker threads per proxy (default 1,2)
+  --idle N             idle connections for the memory workload (default 10,000)
+  --out DIR            where the report goes (default docs/)
+  --note TEXT          a line for the report (e.g. \"busy machine\")
+  --peers LIST         data planes: direct,pass,rewrite,haproxy,haproxy-ka,nginx,traefik
+  --workloads LIST     workloads by name, e.g. \"GET P1,idle\"";
+
 /// How big a run is.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -141,11 +153,7 @@ impl Settings {
                             .collect(),
                     )
                 }
-                other => bail!(
-                    "unknown argument {other:?}; use --quick, --rounds N, --threads 1,2, \
-                     --idle N, --out DIR, --note TEXT, --peers direct,pass,rewrite,haproxy,\
-                     haproxy-ka,nginx,traefik, --workloads \"GET P1,idle\""
-                ),
+                other => bail!("unknown argument {other:?}\n\n{USAGE}"),
             }
         }
         if s.rounds == 0 || s.threads.is_empty() {
@@ -374,6 +382,10 @@ fn raise_nofile(settings: &mut Settings) -> Result<()> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     // `cargo test --benches` runs bench targets without --bench: nothing to measure then.
     if !args.iter().any(|a| a == "--bench") {
         println!("load bench: run it with scripts/bench-load (see its --help)");

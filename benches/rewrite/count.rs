@@ -13,7 +13,7 @@
 use std::env;
 use std::fs;
 use std::hint::black_box;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -128,24 +128,9 @@ fn measured<R>(f: impl FnOnce() -> R) -> R {
 
 /// The parent: every case matching `filter`, each contender in a callgrind child of its own.
 fn all(filter: &str) -> Result<()> {
+    let names = selected(filter)?;
     let exe = env::current_exe().context("the path of this benchmark binary")?;
-    let dir = env::temp_dir().join(format!("shardgate-rewrite-count-{}", std::process::id()));
-    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let names: Vec<String> = names()
-        .into_iter()
-        .filter(|n| {
-            let group = n.split('/').next();
-            filter
-                .split(',')
-                .any(|f| f.is_empty() || n == f || group == Some(f))
-        })
-        .collect();
-    if names.is_empty() {
-        bail!(
-            "{FILTER}={filter} matches no case; the cases are {:?}",
-            self::names()
-        );
-    }
+    let dir = TempDir::new()?;
     println!("instructions per reply (callgrind, {ITERATIONS} passes after one to warm up)\n");
     if cfg!(debug_assertions) {
         // `cargo test` builds it so, to check that the counts run: they say nothing of speed.
@@ -158,7 +143,7 @@ fn all(filter: &str) -> Result<()> {
     for name in &names {
         let mut counts = Vec::new();
         for contender in CONTENDERS {
-            counts.push(count(&exe, &dir, &format!("{name}/{contender}"))?);
+            counts.push(count(&exe, &dir.0, &format!("{name}/{contender}"))?);
         }
         println!(
             "| {name} | {:.0} | {:.0} | {:.0} | {:.2}× | {:.2}× |",
@@ -169,8 +154,44 @@ fn all(filter: &str) -> Result<()> {
             counts[2] / counts[0]
         );
     }
-    fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     Ok(())
+}
+
+/// The cases `filter` names: all if it is empty, else each of its comma-separated items a
+/// group or a `<group>/<param>`; an item that names nothing is an error, not ignored.
+fn selected(filter: &str) -> Result<Vec<String>> {
+    let all = names();
+    if filter.is_empty() {
+        return Ok(all);
+    }
+    let items: Vec<&str> = filter.split(',').collect();
+    let named = |n: &str, item: &str| n == item || n.split('/').next() == Some(item);
+    if let Some(item) = items.iter().find(|i| !all.iter().any(|n| named(n, i))) {
+        bail!("{FILTER}: {item:?} names no case; the cases are {all:?}");
+    }
+    Ok(all
+        .into_iter()
+        .filter(|n| items.iter().any(|i| named(n, i)))
+        .collect())
+}
+
+/// The callgrind profiles' directory, removed however the run ends.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir> {
+        let dir = env::temp_dir().join(format!("shardgate-rewrite-count-{}", std::process::id()));
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_dir_all(&self.0) {
+            eprintln!("removing {}: {e}", self.0.display());
+        }
+    }
 }
 
 /// One child's instructions per reply.

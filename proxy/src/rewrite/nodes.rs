@@ -99,8 +99,9 @@ struct Address<'a> {
 /// <primary-id|-> <ping> <pong> <epoch> <link-state> [<slot>...]`, as
 /// `clusterGenNodeDescription` writes it.
 ///
-/// One pass, field after field, each checked as it is read and none searched for twice: a
-/// large cluster's reply has hundreds of lines, and this check runs before every rewrite.
+/// One pass, field after field, each checked as it is found (the address's separators by
+/// memchr, over that field alone): a large cluster's reply has hundreds of lines, and this
+/// check runs before every rewrite.
 fn node_line(line: &[u8]) -> Option<NodeLine<'_>> {
     // The id: 40 hex digits, then a space.
     let id = line.get(..40).filter(|id| is_id(id))?;
