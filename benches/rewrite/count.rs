@@ -9,7 +9,8 @@
 //! runs this binary again once per case and contender under `valgrind --tool=callgrind`,
 //! collecting only inside [`measured`] (the untimed setup of the criterion run stays out),
 //! and prints a markdown table: instructions per reply, and each baseline's count over
-//! shardgate's (above 1: shardgate does less work).
+//! shardgate's (above 1: shardgate does less work). `request_side/stream` counts the other
+//! direction, per command, beside a bare memchr count of its lines.
 use std::env;
 use std::fs;
 use std::hint::black_box;
@@ -32,6 +33,10 @@ const ITERATIONS: u64 = 3;
 /// What callgrind collects in: the function below, whatever its monomorphised name.
 const TOGGLE: &str = "--toggle-collect=*count::measured*";
 const CONTENDERS: [&str; 3] = ["shardgate", "redis_protocol_owned", "redis_protocol_bytes"];
+/// The request side's case, and its contenders: shardgate's observer, and memchr's count of
+/// the lines as the floor.
+const REQUESTS: &str = "request_side/stream";
+const REQUEST_CONTENDERS: [&str; 2] = ["shardgate_observe", "memchr_lf_count"];
 
 /// Runs the counts if the environment asks for them; false if it does not (criterion runs).
 pub fn from_env() -> Result<bool> {
@@ -50,6 +55,7 @@ fn names() -> Vec<String> {
     let mut names = vec![
         "plain_get_set/stream".to_string(),
         "moved_storm/stream".to_string(),
+        REQUESTS.to_string(),
     ];
     for (group, _, _) in TOPOLOGY_GROUPS {
         names.extend(SHARDS.iter().map(|n| format!("{group}/{n}")));
@@ -71,7 +77,8 @@ fn case(name: &str) -> Result<(Topology, Case)> {
     }
     let topology = Topology::new(30);
     let case = match group {
-        "plain_get_set" => Case::plain(&topology),
+        // The request side is the other direction of the plain stream's connection.
+        "plain_get_set" | "request_side" => Case::plain(&topology),
         "moved_storm" => Case::moved(&topology),
         _ => bail!("{name}: no such case"),
     };
@@ -79,7 +86,7 @@ fn case(name: &str) -> Result<(Topology, Case)> {
 }
 
 /// The child: one contender on one case, [`ITERATIONS`] times inside [`measured`]. Prints
-/// the number of replies a pass takes, which the parent divides by.
+/// the number of replies (or commands) a pass takes, which the parent divides by.
 fn one(spec: &str) -> Result<()> {
     let (name, contender) = spec
         .rsplit_once('/')
@@ -113,6 +120,15 @@ fn one(spec: &str) -> Result<()> {
             pass();
             measured(|| (0..ITERATIONS).for_each(|_| pass()));
         }
+        "shardgate_observe" => {
+            drop(observed(&case));
+            measured(|| (0..ITERATIONS).for_each(|_| drop(black_box(observed(&case)))));
+        }
+        "memchr_lf_count" => {
+            let mut pass = || sent += memchr::memchr_iter(b'\n', black_box(&case.requests)).count();
+            pass();
+            measured(|| (0..ITERATIONS).for_each(|_| pass()));
+        }
         _ => bail!("{spec}: no contender {contender}"),
     }
     black_box(sent);
@@ -138,9 +154,13 @@ fn all(filter: &str) -> Result<()> {
             "(an unoptimised build: run it with `cargo bench` for counts that mean something)\n"
         );
     }
-    println!("| case | shardgate | redis_protocol_owned | redis_protocol_bytes | owned ÷ shardgate | bytes ÷ shardgate |");
-    println!("|---|---|---|---|---|---|");
-    for name in &names {
+    let (requests, replies): (Vec<&String>, Vec<&String>) =
+        names.iter().partition(|n| n.as_str() == REQUESTS);
+    if !replies.is_empty() {
+        println!("| case | shardgate | redis_protocol_owned | redis_protocol_bytes | owned ÷ shardgate | bytes ÷ shardgate |");
+        println!("|---|---|---|---|---|---|");
+    }
+    for name in replies {
         let mut counts = Vec::new();
         for contender in CONTENDERS {
             counts.push(count(&exe, &dir.0, &format!("{name}/{contender}"))?);
@@ -152,6 +172,21 @@ fn all(filter: &str) -> Result<()> {
             counts[2],
             counts[1] / counts[0],
             counts[2] / counts[0]
+        );
+    }
+    for name in requests {
+        println!("\ninstructions per command, the request side (which `shardgate` above observes untimed)\n");
+        println!("| case | shardgate_observe | memchr_lf_count | shardgate ÷ memchr |");
+        println!("|---|---|---|---|");
+        let mut counts = Vec::new();
+        for contender in REQUEST_CONTENDERS {
+            counts.push(count(&exe, &dir.0, &format!("{name}/{contender}"))?);
+        }
+        println!(
+            "| {name} | {:.0} | {:.0} | {:.2}× |",
+            counts[0],
+            counts[1],
+            counts[0] / counts[1]
         );
     }
     Ok(())
