@@ -147,7 +147,7 @@ fn all(filter: &str) -> Result<()> {
     let names = selected(filter)?;
     let exe = env::current_exe().context("the path of this benchmark binary")?;
     let dir = TempDir::new()?;
-    println!("instructions per reply (callgrind, {ITERATIONS} passes after one to warm up)\n");
+    println!("callgrind, {ITERATIONS} passes after one to warm up\n");
     if cfg!(debug_assertions) {
         // `cargo test` builds it so, to check that the counts run: they say nothing of speed.
         println!(
@@ -157,39 +157,45 @@ fn all(filter: &str) -> Result<()> {
     let (requests, replies): (Vec<&String>, Vec<&String>) =
         names.iter().partition(|n| n.as_str() == REQUESTS);
     if !replies.is_empty() {
+        println!("instructions per reply\n");
         println!("| case | shardgate | redis_protocol_owned | redis_protocol_bytes | owned ÷ shardgate | bytes ÷ shardgate |");
         println!("|---|---|---|---|---|---|");
     }
     for name in replies {
-        let mut counts = Vec::new();
-        for contender in CONTENDERS {
-            counts.push(count(&exe, &dir.0, &format!("{name}/{contender}"))?);
-        }
+        let [ours, owned, bytes] = counts(&exe, &dir.0, name, &CONTENDERS)?;
         println!(
-            "| {name} | {:.0} | {:.0} | {:.0} | {:.2}× | {:.2}× |",
-            counts[0],
-            counts[1],
-            counts[2],
-            counts[1] / counts[0],
-            counts[2] / counts[0]
+            "| {name} | {ours:.0} | {owned:.0} | {bytes:.0} | {:.2}× | {:.2}× |",
+            owned / ours,
+            bytes / ours
         );
     }
-    for name in requests {
+    if !requests.is_empty() {
         println!("\ninstructions per command, the request side (which `shardgate` above observes untimed)\n");
         println!("| case | shardgate_observe | memchr_lf_count | shardgate ÷ memchr |");
         println!("|---|---|---|---|");
-        let mut counts = Vec::new();
-        for contender in REQUEST_CONTENDERS {
-            counts.push(count(&exe, &dir.0, &format!("{name}/{contender}"))?);
-        }
+    }
+    for name in requests {
+        let [ours, memchr] = counts(&exe, &dir.0, name, &REQUEST_CONTENDERS)?;
         println!(
-            "| {name} | {:.0} | {:.0} | {:.2}× |",
-            counts[0],
-            counts[1],
-            counts[0] / counts[1]
+            "| {name} | {ours:.0} | {memchr:.0} | {:.2}× |",
+            ours / memchr
         );
     }
     Ok(())
+}
+
+/// Each contender's instructions per reply on case `name`, in order.
+fn counts<const N: usize>(
+    exe: &Path,
+    dir: &Path,
+    name: &str,
+    contenders: &[&str; N],
+) -> Result<[f64; N]> {
+    let mut out = [0.0; N];
+    for (count_of, contender) in out.iter_mut().zip(contenders) {
+        *count_of = count(exe, dir, &format!("{name}/{contender}"))?;
+    }
+    Ok(out)
 }
 
 /// The cases `filter` names: all if it is empty, else each of its comma-separated items a
