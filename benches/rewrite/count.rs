@@ -184,7 +184,8 @@ fn all(filter: &str) -> Result<()> {
     Ok(())
 }
 
-/// Each contender's instructions per reply on case `name`, in order.
+/// Each contender's instructions per reply (per command on the request side) on case
+/// `name`, in order.
 fn counts<const N: usize>(
     exe: &Path,
     dir: &Path,
@@ -235,7 +236,7 @@ impl Drop for TempDir {
     }
 }
 
-/// One child's instructions per reply.
+/// One child's instructions per reply (or per command).
 fn count(exe: &Path, dir: &Path, spec: &str) -> Result<f64> {
     let file = dir.join(spec.replace('/', "-"));
     let output = Command::new("valgrind")
