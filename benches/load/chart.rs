@@ -46,7 +46,8 @@ pub fn draw(
     let _ = register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
     let names: Vec<&str> = loads
         .iter()
-        .filter(|w| !w.cluster && w.name != "idle")
+        // TLS has no direct run to divide by: its rows are in the tables only.
+        .filter(|w| !w.cluster && !w.is_idle() && !w.name.starts_with("TLS"))
         .map(|w| w.name.as_str())
         .collect();
     let groups = settings.threads.len();
@@ -74,7 +75,11 @@ pub fn draw(
     .map_err(|e| anyhow!("{e}"))?;
     let body = root.margin(50, 0, 0, 0);
     let rows = body.split_evenly((groups, 1));
-    let idle_names = ["idle"];
+    let idle_names: Vec<&str> = loads
+        .iter()
+        .filter(|w| !w.cluster && w.is_idle())
+        .map(|w| w.name.as_str())
+        .collect();
     for (g, &t) in settings.threads.iter().enumerate() {
         let cols = columns(t, false);
         let direct = Kind::Direct.label();

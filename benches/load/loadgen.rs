@@ -4,12 +4,14 @@
 //! fewest moving parts between the clock and the wire.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
+
+use crate::tls::TlsFiles;
 
 /// A reply, as far as the harness needs to know it.
 #[derive(Debug, PartialEq, Eq)]
@@ -215,18 +217,31 @@ pub fn churn(addr: SocketAddr, key: &str, requests: u64, threads: u64) -> Result
 }
 
 /// Opens `count` connections, each answered one PING (so the data plane has dialled the
-/// backend and moved bytes both ways), and calls `measure` while they are all open.
-pub fn with_idle<T>(addr: SocketAddr, count: usize, measure: impl FnOnce() -> T) -> Result<T> {
-    let mut conns = Vec::with_capacity(count);
+/// backend and moved bytes both ways), over TLS with `tls`, and calls `measure` while they
+/// are all open.
+pub fn with_idle<T>(
+    addr: SocketAddr,
+    count: usize,
+    tls: Option<&TlsFiles>,
+    measure: impl FnOnce() -> T,
+) -> Result<T> {
+    let mut plain = Vec::new();
+    let mut secured = Vec::new();
     for i in 0..count {
-        let mut s = TcpStream::connect(addr)
-            .with_context(|| format!("idle connection {i} of {count} to {addr}"))?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        s.write_all(b"PING\r\n")?;
-        let mut buf = [0u8; 7];
-        s.read_exact(&mut buf)
-            .with_context(|| format!("PONG on idle connection {i} of {count}"))?;
-        conns.push(s);
+        let what = || format!("idle connection {i} of {count} to {addr}");
+        match tls {
+            None => {
+                let mut s = TcpStream::connect(addr).with_context(what)?;
+                s.set_read_timeout(Some(Duration::from_secs(10)))?;
+                crate::tls::ping(&mut s).with_context(what)?;
+                plain.push(s);
+            }
+            Some(files) => {
+                let mut s = files.connect(addr).with_context(what)?;
+                crate::tls::ping(&mut s).with_context(what)?;
+                secured.push(s);
+            }
+        }
     }
     Ok(measure())
 }

@@ -16,6 +16,11 @@
 //! system, from their threads' `schedstat`, nginx's workers included) over the workload
 //! divided by the requests; its memory per idle connection is the growth of a fresh
 //! instance's RSS with N connections open, each answered one PING.
+//!
+//! shardgate, HAProxy and nginx also terminate TLS on a second listener of the same process
+//! (one certificate from a test CA made for the run): the TLS workloads are GETs and idle
+//! connections through it, and the TLS target is each round's TLS run over the same data
+//! plane's plain one.
 
 mod chart;
 mod loadgen;
@@ -23,6 +28,7 @@ mod peers;
 mod proc_stat;
 mod redis_benchmark;
 mod report;
+mod tls;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -33,6 +39,7 @@ use shardgate_harness::valkey::{ClusterSpec, Standalone, ValkeyCluster};
 
 use peers::{Kind, Peer, RouteSpec};
 use report::Sample;
+use tls::TlsFiles;
 
 /// What `--help` prints (the options `Settings::parse` takes).
 const USAGE: &str = "\
@@ -44,7 +51,7 @@ The load-comparison harness (run it with scripts/bench-load, which builds the re
   --out DIR            where the report goes (default docs/)
   --note TEXT          a line for the report (e.g. \"busy machine\")
   --peers LIST         data planes: direct,pass,rewrite,haproxy,haproxy-ka,nginx,traefik
-  --workloads LIST     workloads by name, e.g. \"GET P1,idle\"";
+  --workloads LIST     workloads by name, e.g. \"GET P1,idle\" or \"TLS GET P1,TLS idle\"";
 
 /// How big a run is.
 #[derive(Clone, Debug)]
@@ -173,7 +180,10 @@ enum Load {
     Benchmark(redis_benchmark::Run),
     Latency,
     Churn,
-    Idle,
+    /// Idle connections, over TLS to the data plane's TLS listener with `tls`.
+    Idle {
+        tls: bool,
+    },
     Moved,
 }
 
@@ -185,8 +195,15 @@ pub struct Workload {
     pub cluster: bool,
 }
 
+impl Workload {
+    /// Idle connections: the memory figure, not requests.
+    pub fn is_idle(&self) -> bool {
+        matches!(self.load, Load::Idle { .. })
+    }
+}
+
 fn workloads(s: &Settings) -> Vec<Workload> {
-    let bench = |name: &str, test, requests, pipeline, value_size, cluster| Workload {
+    let run = |name: &str, test, requests, pipeline, value_size, cluster, tls| Workload {
         name: name.to_string(),
         load: Load::Benchmark(redis_benchmark::Run {
             test,
@@ -195,8 +212,12 @@ fn workloads(s: &Settings) -> Vec<Workload> {
             pipeline,
             value_size,
             cluster,
+            tls,
         }),
         cluster,
+    };
+    let bench = |name: &str, test, requests, pipeline, value_size, cluster| {
+        run(name, test, requests, pipeline, value_size, cluster, false)
     };
     let own = |name: &str, load, cluster| Workload {
         name: name.to_string(),
@@ -209,13 +230,18 @@ fn workloads(s: &Settings) -> Vec<Workload> {
         bench("GET P1", "get", s.requests_p1, 1, 3, false),
         bench("SET P16", "set", s.requests_p16, 16, 3, false),
         bench("GET P16", "get", s.requests_p16, 16, 3, false),
+        // TLS terminated by the data plane: the same GETs as GET P1 and GET P16, before any
+        // SET of a larger value.
+        run("TLS GET P1", "get", s.requests_p1, 1, 3, false, true),
+        run("TLS GET P16", "get", s.requests_p16, 16, 3, false, true),
         bench("SET 1 KiB", "set", s.requests_p1, 1, 1024, false),
         bench("GET 1 KiB", "get", s.requests_p1, 1, 1024, false),
         bench("SET 64 KiB", "set", s.requests_64k, 1, 65536, false),
         bench("GET 64 KiB", "get", s.requests_64k, 1, 65536, false),
         own("GET 1 client", Load::Latency, false),
         own("GET churn", Load::Churn, false),
-        own("idle", Load::Idle, false),
+        own("idle", Load::Idle { tls: false }, false),
+        own("TLS idle", Load::Idle { tls: true }, false),
         bench("cluster SET", "set", s.requests_cluster, 1, 3, true),
         bench("cluster GET", "get", s.requests_cluster, 1, 3, true),
         own("cluster MOVED GET", Load::Moved, true),
@@ -232,12 +258,24 @@ fn workloads(s: &Settings) -> Vec<Workload> {
 /// The key of the one-client and churn workloads, set once to a 3-byte value.
 const LATENCY_KEY: &str = "load:latency";
 
-fn measure(w: &Workload, peer: &Peer, s: &Settings, round: usize) -> Result<Option<Sample>> {
+/// `w` through `peer`; `None` for a TLS workload through a data plane without TLS here, or
+/// an idle one through direct.
+fn measure(
+    w: &Workload,
+    peer: &Peer,
+    s: &Settings,
+    tls: &TlsFiles,
+    round: usize,
+) -> Result<Option<Sample>> {
     let cpu0 = peer.proc.map(|p| p.cpu_seconds());
     let mut sample = Sample::new(&w.name, peer, round);
     let requests = match &w.load {
         Load::Benchmark(run) => {
-            let r = redis_benchmark::run(peer.addr, run)?;
+            let addr = if run.tls { peer.tls } else { Some(peer.addr) };
+            let Some(addr) = addr else {
+                return Ok(None);
+            };
+            let r = redis_benchmark::run(addr, run, Some(tls))?;
             sample.rps = Some(r.rps);
             sample.p50_us = Some(r.p50_ms * 1000.0);
             sample.p99_us = Some(r.p99_ms * 1000.0);
@@ -262,17 +300,25 @@ fn measure(w: &Workload, peer: &Peer, s: &Settings, round: usize) -> Result<Opti
             sample.rps = Some(o.rps());
             o.requests
         }
-        Load::Idle => {
+        Load::Idle { tls: over_tls } => {
+            if *over_tls && peer.tls.is_none() {
+                return Ok(None);
+            }
             // A fresh process each round: memory that an allocator kept from an earlier
-            // round would hide the growth.
-            let Some(fresh) = fresh_peer(peer, s)? else {
+            // round would hide the growth. One without TLS for the plain count.
+            let Some(fresh) = fresh_peer(peer, s, over_tls.then_some(tls))? else {
                 return Ok(None);
             };
             let Some(proc) = fresh.proc else {
                 return Ok(None);
             };
+            let (addr, client) = match (*over_tls, fresh.tls) {
+                (false, _) => (fresh.addr, None),
+                (true, Some(addr)) => (addr, Some(tls)),
+                (true, None) => bail!("{} started without its TLS listener", fresh.name()),
+            };
             let before = proc.rss_bytes();
-            let after = loadgen::with_idle(fresh.addr, s.idle, || proc.rss_bytes())?;
+            let after = loadgen::with_idle(addr, s.idle, client, || proc.rss_bytes())?;
             sample.idle_bytes = Some((after as f64 - before as f64) / s.idle as f64);
             return Ok(Some(sample));
         }
@@ -316,8 +362,9 @@ fn measure_side_by_side(
 }
 
 /// A new instance of a standalone data plane like `peer`, its files in `<run dir>/idle/`
-/// (apart from the long-lived one's, whose route file it must not overwrite); none for direct.
-fn fresh_peer(peer: &Peer, s: &Settings) -> Result<Option<Peer>> {
+/// (apart from the long-lived one's, whose route file it must not overwrite), terminating
+/// TLS too with `tls`; none for direct.
+fn fresh_peer(peer: &Peer, s: &Settings, tls: Option<&TlsFiles>) -> Result<Option<Peer>> {
     let (Some(dir), Some(backend)) = (&s.dir, s.backend) else {
         bail!("the run's directory and backend are not set");
     };
@@ -326,11 +373,11 @@ fn fresh_peer(peer: &Peer, s: &Settings) -> Result<Option<Peer>> {
     let t = peer.threads;
     Ok(Some(match peer.kind {
         Kind::Direct => return Ok(None),
-        Kind::Pass => Peer::shardgate(&dir, RouteSpec::Standalone(backend), false, t)?,
-        Kind::Rewrite => Peer::shardgate(&dir, RouteSpec::Standalone(backend), true, t)?,
-        Kind::Haproxy => Peer::haproxy(&dir, backend, t, s.idle + 200, false)?,
-        Kind::HaproxyKeepalive => Peer::haproxy(&dir, backend, t, s.idle + 200, true)?,
-        Kind::Nginx => Peer::nginx(&dir, backend, t, s.idle + 50)?,
+        Kind::Pass => Peer::shardgate(&dir, RouteSpec::Standalone(backend), false, t, tls)?,
+        Kind::Rewrite => Peer::shardgate(&dir, RouteSpec::Standalone(backend), true, t, tls)?,
+        Kind::Haproxy => Peer::haproxy(&dir, backend, t, s.idle + 200, false, tls)?,
+        Kind::HaproxyKeepalive => Peer::haproxy(&dir, backend, t, s.idle + 200, true, tls)?,
+        Kind::Nginx => Peer::nginx(&dir, backend, t, s.idle + 50, tls)?,
         Kind::Traefik => Peer::traefik(&dir, backend, t)?,
     }))
 }
@@ -427,6 +474,7 @@ fn main() -> Result<()> {
     }
     let cluster_nodes: Vec<SocketAddr> = cluster.nodes().iter().map(|n| n.addr()).collect();
 
+    let tls = TlsFiles::new().context("the TLS workloads' certificate")?;
     let wanted = |k: Kind| settings.peers.as_ref().is_none_or(|p| p.contains(&k));
     let mut standalone = Vec::new();
     let mut clustered = Vec::new();
@@ -437,26 +485,30 @@ fn main() -> Result<()> {
     for &t in &settings.threads {
         if wanted(Kind::Pass) {
             let spec = RouteSpec::Standalone(backend);
-            standalone.push(Peer::shardgate(&dir, spec, false, t)?);
+            standalone.push(Peer::shardgate(&dir, spec, false, t, Some(&tls))?);
         }
         if wanted(Kind::Rewrite) {
             let spec = RouteSpec::Standalone(backend);
-            standalone.push(Peer::shardgate(&dir, spec, true, t)?);
+            standalone.push(Peer::shardgate(&dir, spec, true, t, Some(&tls))?);
             clustered.push(Peer::shardgate(
                 &dir,
                 RouteSpec::Cluster(&cluster),
                 true,
                 t,
+                None,
             )?);
         }
         if wanted(Kind::Haproxy) {
-            standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200, false)?);
+            let conns = settings.idle + 200;
+            standalone.push(Peer::haproxy(&dir, backend, t, conns, false, Some(&tls))?);
         }
         if wanted(Kind::HaproxyKeepalive) {
-            standalone.push(Peer::haproxy(&dir, backend, t, settings.idle + 200, true)?);
+            let conns = settings.idle + 200;
+            standalone.push(Peer::haproxy(&dir, backend, t, conns, true, Some(&tls))?);
         }
         if wanted(Kind::Nginx) {
-            standalone.push(Peer::nginx(&dir, backend, t, settings.idle + 50)?);
+            let conns = settings.idle + 50;
+            standalone.push(Peer::nginx(&dir, backend, t, conns, Some(&tls))?);
         }
         if wanted(Kind::Traefik) {
             standalone.push(Peer::traefik(&dir, backend, t)?);
@@ -475,9 +527,17 @@ fn main() -> Result<()> {
         pipeline: 1,
         value_size: 3,
         cluster: false,
+        tls: false,
+    };
+    let warm_tls = redis_benchmark::Run {
+        tls: true,
+        ..warm.clone()
     };
     for peer in &standalone {
-        redis_benchmark::run(peer.addr, &warm)?;
+        redis_benchmark::run(peer.addr, &warm, None)?;
+        if let Some(addr) = peer.tls {
+            redis_benchmark::run(addr, &warm_tls, Some(&tls))?;
+        }
     }
 
     let loads = workloads(&settings);
@@ -504,7 +564,7 @@ fn main() -> Result<()> {
             let n = peers.len();
             for i in 0..n {
                 let peer = &peers[(i + round) % n];
-                let s = measure(w, peer, &settings, round)
+                let s = measure(w, peer, &settings, &tls, round)
                     .with_context(|| format!("{} through {}", w.name, peer.name()))?;
                 if let Some(s) = s {
                     eprintln!(

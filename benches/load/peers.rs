@@ -19,6 +19,7 @@ use rustix::process::{kill_process, Pid, Signal};
 use shardgate_harness::addr::{free_port, free_port_range};
 
 use crate::proc_stat::ProcTree;
+use crate::tls::{TlsFiles, SNI_DOMAIN, SNI_PREFIX};
 
 const LO: Ipv4Addr = Ipv4Addr::LOCALHOST;
 
@@ -77,6 +78,10 @@ pub struct Peer {
     pub addr: SocketAddr,
     /// A cluster's every node as clients reach them (empty for a standalone backend).
     pub entries: Vec<SocketAddr>,
+    /// Where TLS clients connect, the data plane terminating TLS (the run's certificate) in
+    /// the same process; none where the harness does not set TLS up (direct, Traefik, the
+    /// cluster).
+    pub tls: Option<SocketAddr>,
     /// The process whose CPU and memory are the data plane's; none for direct.
     pub proc: Option<ProcTree>,
     child: Option<Child>,
@@ -99,18 +104,21 @@ impl Peer {
             threads: 0,
             addr,
             entries,
+            tls: None,
             proc: None,
             child: None,
             log: None,
         }
     }
 
-    /// shardgate in front of `backends` (one node per shard, or a cluster's route file).
+    /// shardgate in front of `backends` (one node per shard, or a cluster's route file); with
+    /// `tls`, its TLS port terminating TLS as well.
     pub fn shardgate(
         dir: &Path,
         routes: RouteSpec<'_>,
         rewrite: bool,
         threads: u8,
+        tls: Option<&TlsFiles>,
     ) -> Result<Peer> {
         let kind = if rewrite { Kind::Rewrite } else { Kind::Pass };
         let mode = if rewrite { "rewrite" } else { "pass" };
@@ -149,7 +157,18 @@ impl Peer {
         if rewrite {
             cmd.args(["--rewrite", "--advertise-host", "127.0.0.1"]);
         }
+        let tls_port = tls.map(|files| {
+            let p = free_port(LO);
+            cmd.args(["--tls-port", &p.to_string(), "--tls-mode", "terminate"])
+                .args(["--sni-prefix", SNI_PREFIX, "--sni-domain", SNI_DOMAIN])
+                .arg("--tls-cert")
+                .arg(&files.cert)
+                .arg("--tls-key")
+                .arg(&files.key);
+            p
+        });
         let mut peer = Peer::spawn(dir, &name, cmd, kind, threads, port)?;
+        peer.serve_tls(tls_port, tls)?;
         peer.entries = (port..port + count)
             .map(|p| SocketAddr::from((LO, p)))
             .collect();
@@ -160,13 +179,14 @@ impl Peer {
     /// (it asks for about two descriptors each, and refuses to start past the hard limit).
     /// With `keepalive`, TCP keepalive on both legs after 60 s, then every 10 s, as
     /// shardgate sets it (`option tcpka`; HAProxy sets it on each socket it accepts or
-    /// opens).
+    /// opens). With `tls`, a second frontend terminating TLS (OpenSSL, Debian's build).
     pub fn haproxy(
         dir: &Path,
         backend: SocketAddr,
         threads: u8,
         conns: usize,
         keepalive: bool,
+        tls: Option<&TlsFiles>,
     ) -> Result<Peer> {
         let port = free_port(LO);
         let (kind, name) = if keepalive {
@@ -180,24 +200,40 @@ impl Peer {
         } else {
             ""
         };
+        let tls_port = tls.map(|files| (free_port(LO), files));
+        let tls_frontend = tls_port.map_or(String::new(), |(p, files)| {
+            format!(
+                "frontend tls\n  bind 127.0.0.1:{p} ssl crt {}\n  default_backend be\n",
+                files.pem.display()
+            )
+        });
         let cfg = dir.join(format!("{name}.cfg"));
         std::fs::write(
             &cfg,
             format!(
                 "global\n  nbthread {threads}\n  maxconn {conns}\n\
                  defaults\n  mode tcp\n{tcpka}  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n\
-                 frontend fe\n  bind 127.0.0.1:{port}\n  default_backend be\n\
+                 frontend fe\n  bind 127.0.0.1:{port}\n  default_backend be\n{tls_frontend}\
                  backend be\n  server valkey {backend}\n"
             ),
         )?;
         let mut cmd = Command::new(tool("SHARDGATE_HAPROXY", "/usr/sbin/haproxy")?);
         cmd.arg("-db").arg("-f").arg(&cfg);
-        Peer::spawn(dir, &name, cmd, kind, threads, port)
+        let mut peer = Peer::spawn(dir, &name, cmd, kind, threads, port)?;
+        peer.serve_tls(tls_port.map(|(p, _)| p), tls)?;
+        Ok(peer)
     }
 
     /// nginx with the `stream` module: a master and `threads` workers, each allowed `conns`
-    /// client connections (a proxied one counts twice in `worker_connections`).
-    pub fn nginx(dir: &Path, backend: SocketAddr, threads: u8, conns: usize) -> Result<Peer> {
+    /// client connections (a proxied one counts twice in `worker_connections`). With `tls`,
+    /// a second server terminating TLS (`ssl`, OpenSSL).
+    pub fn nginx(
+        dir: &Path,
+        backend: SocketAddr,
+        threads: u8,
+        conns: usize,
+        tls: Option<&TlsFiles>,
+    ) -> Result<Peer> {
         let port = free_port(LO);
         let name = format!("nginx-{threads}");
         let prefix = dir.join(&name);
@@ -206,6 +242,15 @@ impl Peer {
             "SHARDGATE_NGINX_STREAM_MODULE",
             "/usr/lib/nginx/modules/ngx_stream_module.so",
         )?;
+        let tls_port = tls.map(|files| (free_port(LO), files));
+        let tls_server = tls_port.map_or(String::new(), |(p, files)| {
+            format!(
+                "  server {{\n    listen 127.0.0.1:{p} ssl;\n    ssl_certificate {};\n    \
+                 ssl_certificate_key {};\n    proxy_pass {backend};\n    proxy_timeout 1h;\n  }}\n",
+                files.cert.display(),
+                files.key.display()
+            )
+        });
         let conf = prefix.join("nginx.conf");
         std::fs::write(
             &conf,
@@ -214,7 +259,7 @@ impl Peer {
                  worker_rlimit_nofile {nofile};\npid {pid};\nerror_log {err} warn;\n\
                  events {{ worker_connections {wc}; }}\n\
                  stream {{\n  server {{\n    listen 127.0.0.1:{port};\n    proxy_pass {backend};\n    \
-                 proxy_timeout 1h;\n  }}\n}}\n",
+                 proxy_timeout 1h;\n  }}\n{tls_server}}}\n",
                 module = module.display(),
                 nofile = conns * 2 + 200,
                 wc = conns * 2 + 100,
@@ -229,7 +274,9 @@ impl Peer {
             .arg(&conf)
             .arg("-e")
             .arg(prefix.join("error.log"));
-        Peer::spawn(dir, &name, cmd, Kind::Nginx, threads, port)
+        let mut peer = Peer::spawn(dir, &name, cmd, Kind::Nginx, threads, port)?;
+        peer.serve_tls(tls_port.map(|(p, _)| p), tls)?;
+        Ok(peer)
     }
 
     /// Traefik v3, file provider, one TCP router `HostSNI(`*`)` (what a Gateway API TCPRoute
@@ -287,6 +334,7 @@ impl Peer {
             threads,
             addr: SocketAddr::from((LO, port)),
             entries: Vec::new(),
+            tls: None,
             proc: Some(ProcTree { root: child.id() }),
             child: Some(child),
             log: Some(log),
@@ -323,6 +371,33 @@ impl Peer {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Notes the TLS listener on `port`, once a PING over TLS through it is answered.
+    fn serve_tls(&mut self, port: Option<u16>, files: Option<&TlsFiles>) -> Result<()> {
+        let (Some(port), Some(files)) = (port, files) else {
+            return Ok(());
+        };
+        let addr = SocketAddr::from((LO, port));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match files
+                .connect(addr)
+                .and_then(|mut s| crate::tls::ping(&mut s))
+            {
+                Ok(()) => break,
+                Err(e) if Instant::now() > deadline => {
+                    bail!(
+                        "{} does not answer PING over TLS on {addr}: {e:#}; log:\n{}",
+                        self.name(),
+                        self.log_text()
+                    )
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+        self.tls = Some(addr);
+        Ok(())
     }
 
     fn log_text(&self) -> String {

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+
+use crate::tls::TlsFiles;
 /// What redis-benchmark reported.
 pub use shardgate_harness::tools::BenchmarkReport as Report;
 
@@ -19,9 +21,12 @@ pub struct Run {
     pub value_size: usize,
     /// `--cluster`: ask the entry node for the topology and spread keys over the shards.
     pub cluster: bool,
+    /// Over TLS (`--tls` with the SNI name and the CA): to the data plane's TLS listener.
+    pub tls: bool,
 }
 
-pub fn run(addr: SocketAddr, r: &Run) -> Result<Report> {
+/// `r` against `addr`; a TLS run trusts and names what `tls` holds.
+pub fn run(addr: SocketAddr, r: &Run, tls: Option<&TlsFiles>) -> Result<Report> {
     let bin = shardgate_harness::tools::redis_benchmark()?;
     let mut cmd = Command::new(bin);
     cmd.args(["-h", &addr.ip().to_string(), "-p", &addr.port().to_string()])
@@ -36,6 +41,11 @@ pub fn run(addr: SocketAddr, r: &Run) -> Result<Report> {
     if r.cluster {
         // Keys spread over every shard: the cluster mode needs a key space to hash.
         cmd.args(["--cluster", "-r", "100000"]);
+    }
+    if r.tls {
+        let tls = tls.context("a TLS run without the run's certificate")?;
+        cmd.args(["--tls", "--sni", &tls.sni, "--cacert"])
+            .arg(tls.ca());
     }
     let out = cmd.output().context("running redis-benchmark")?;
     let text = String::from_utf8_lossy(&out.stdout);

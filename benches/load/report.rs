@@ -88,7 +88,19 @@ pub fn paired(
     bs: &[&str],
     metric: fn(&Sample) -> Option<f64>,
 ) -> Option<Stat> {
-    let of = |peer: &str, round: usize| {
+    let bs: Vec<(&str, &str)> = bs.iter().map(|b| (workload, *b)).collect();
+    paired_runs(samples, (workload, a), &bs, metric)
+}
+
+/// [`paired`] for runs named by workload and data plane: one data plane's TLS workload over
+/// its plain one, say.
+pub fn paired_runs(
+    samples: &[Sample],
+    a: (&str, &str),
+    bs: &[(&str, &str)],
+    metric: fn(&Sample) -> Option<f64>,
+) -> Option<Stat> {
+    let of = |(workload, peer): (&str, &str), round: usize| {
         samples
             .iter()
             .find(|s| s.workload == workload && s.peer == peer && s.round == round)
@@ -102,7 +114,7 @@ pub fn paired(
             .filter_map(|r| {
                 let best = bs
                     .iter()
-                    .map(|b| of(b, r))
+                    .map(|b| of(*b, r))
                     .collect::<Option<Vec<f64>>>()?
                     .into_iter()
                     .reduce(f64::max)?;
@@ -373,7 +385,11 @@ pub fn markdown(
          requests over the sum of its own round trips), each round trip in an HDR \
          histogram; \"GET churn\" opens a connection per GET (4 clients); \"idle\" starts a \
          fresh instance of the data plane, holds N connections open through it, each answered \
-         one PING, and divides its RSS growth by N; the cluster rows are redis-benchmark `--cluster` through the proxy's ports (the \
+         one PING, and divides its RSS growth by N; the TLS rows are the same through the \
+         data plane's TLS listener, which terminates TLS (a `*.example.test` certificate, \
+         redis-benchmark `--tls --sni vc-0-0.example.test`; the harness's own rustls client \
+         for \"TLS idle\"; shardgate's TLS port, HAProxy `bind ... ssl`, nginx `listen ... \
+         ssl`; not set up for direct and Traefik); the cluster rows are redis-benchmark `--cluster` through the proxy's ports (the \
          topology rewritten) and a client that sends each key to the next node round robin and \
          follows `-MOVED` (about two thirds of the GETs are redirected). \"HAProxy tcp \
          keepalive\" is HAProxy with TCP keepalive on both legs at shardgate's times (`option \
@@ -448,16 +464,21 @@ pub fn markdown(
             out,
             "### Memory: RSS per idle connection (bytes), and × HAProxy\n"
         );
-        table(
-            &mut out,
-            samples,
-            &cols[1..],
-            &[("idle", "idle", idle)],
-            &|s, _, h| {
-                let r = ratio(Some(s), h).map_or(String::new(), |r| format!(" · {r:.2}×"));
-                format!("{}{r}", spread(s, rounds))
-            },
-        );
+        let idle_rows: Vec<Row<'_>> = standalone
+            .iter()
+            .filter(|w| w.is_idle())
+            .map(|w| {
+                (
+                    w.name.as_str(),
+                    w.name.as_str(),
+                    idle as fn(&Sample) -> Option<f64>,
+                )
+            })
+            .collect();
+        table(&mut out, samples, &cols[1..], &idle_rows, &|s, _, h| {
+            let r = ratio(Some(s), h).map_or(String::new(), |r| format!(" · {r:.2}×"));
+            format!("{}{r}", spread(s, rounds))
+        });
     }
     if !clustered.is_empty() {
         let _ = writeln!(out, "## Cluster (3 shards) through the rewrite path\n");
@@ -496,10 +517,10 @@ pub fn markdown(
 
 type Row<'a> = (&'a str, &'a str, fn(&Sample) -> Option<f64>);
 
-/// A row per workload (but "idle", which has its own table) for `metric`.
+/// A row per workload (but the idle ones, which have their own table) for `metric`.
 fn rows_of<'a>(ws: &[&'a Workload], metric: fn(&Sample) -> Option<f64>) -> Vec<Row<'a>> {
     ws.iter()
-        .filter(|w| w.name != "idle")
+        .filter(|w| !w.is_idle())
         .map(|w| (w.name.as_str(), w.name.as_str(), metric))
         .collect()
 }
@@ -572,6 +593,31 @@ fn targets(out: &mut String, settings: &Settings, samples: &[Sample]) {
                 Some(r.median >= 0.95 && c.median <= 1.10),
             ));
         }
+    }
+    for (tls, plain) in [("TLS GET P1", "GET P1"), ("TLS GET P16", "GET P16")] {
+        let over_plain = |k: Kind| {
+            let n = name(k);
+            paired_runs(samples, (tls, &n), &[(plain, &n)], rps)
+        };
+        let Some(r) = over_plain(Kind::Pass) else {
+            continue;
+        };
+        // The others' own TLS over plain: what terminating costs a data plane on this machine
+        // with this load generator, whose OpenSSL shares the cores.
+        let others: Vec<String> = [Kind::Haproxy, Kind::Nginx]
+            .into_iter()
+            .filter_map(|k| over_plain(k).map(|o| format!("{} {:.2}×", k.label(), o.median)))
+            .collect();
+        let others = if others.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", others.join(", "))
+        };
+        rows.push((
+            format!("TLS termination ≥ 0.85× plain requests/s, kept alive ({plain})"),
+            format!("{}{others}", shown(r)),
+            Some(r.median >= 0.85),
+        ));
     }
     let med = |w: &str, k: Kind| stat(samples, w, &name(k), idle).map(|s| s.median);
     if let (Some(p), Some(h)) = (med("idle", Kind::Pass), med("idle", Kind::Haproxy)) {
