@@ -7,6 +7,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 use crate::tls::TlsFiles;
+
 /// What redis-benchmark reported.
 pub use shardgate_harness::tools::BenchmarkReport as Report;
 

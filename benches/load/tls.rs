@@ -11,6 +11,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use rustls::{ClientConfig, ClientConnection, StreamOwned};
 use rustls_pki_types::ServerName;
+use shardgate_crds::node_hostname;
+use shardgate_crds::ports::NodeRef;
 use shardgate_harness::tls::TestPki;
 
 /// shardgate's SNI names: `<prefix>-<shard>-<node>.<domain>`.
@@ -42,7 +44,7 @@ impl TlsFiles {
             cert: pair.cert,
             key: pair.key,
             pem,
-            sni: format!("{SNI_PREFIX}-0-0.{SNI_DOMAIN}"),
+            sni: node_hostname(SNI_PREFIX, NodeRef::new(0, 0), SNI_DOMAIN),
             client,
             pki,
         })
