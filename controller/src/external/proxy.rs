@@ -436,6 +436,8 @@ where
 /// first, always) or the Deployment (made last, once there is an address to hand out),
 /// labelled as the proxy's, is the mark: a cluster that never had a proxy costs two reads.
 /// (Services are listed, by name and label: the operator may list them, not get them.)
+/// The Service goes last, so that a removal cut short by an error keeps its mark and the
+/// retry finishes it, rather than leaving the rest unmarked for good.
 async fn remove(ctx: &Context, ns: &str, name: &str) -> Result<()> {
     let services = Api::<Service>::namespaced(ctx.client.clone(), ns);
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), ns);
@@ -451,12 +453,11 @@ async fn remove(ctx: &Context, ns: &str, name: &str) -> Result<()> {
         return Ok(());
     }
     delete::<Deployment>(ctx, ns, name).await?;
-    delete::<Service>(ctx, ns, name).await?;
     delete::<PodDisruptionBudget>(ctx, ns, name).await?;
     delete::<RoleBinding>(ctx, ns, name).await?;
     delete::<Role>(ctx, ns, name).await?;
     delete::<ServiceAccount>(ctx, ns, name).await?;
-    Ok(())
+    delete::<Service>(ctx, ns, name).await
 }
 
 /// Deletes `name`; already gone is fine.

@@ -9,11 +9,16 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _, Result};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use shardgate_admin_client::{Client as Admin, Timeouts};
+use shardgate_controller::metrics::ErrorLabels;
 use shardgate_crds::names::objects;
 use shardgate_crds::valkey_cluster::ValkeyCluster;
 use shardgate_crds::NodeRef;
@@ -60,7 +65,7 @@ fn main() -> ExitCode {
             scale_out,
         )
         .test(
-            "proxy_mode_off_deletes_every_proxy_object_also_before_a_proxy_ran",
+            "proxy_mode_off_deletes_every_proxy_object_before_a_proxy_ran_and_past_a_refused_delete",
             mode_off,
         )
         .run()
@@ -692,7 +697,6 @@ where
 /// Which of the proxy's objects (all named `vc-proxy`) exist, by kind.
 async fn proxy_objects(client: &kube::Client, ns: &str) -> Result<Vec<&'static str>> {
     use k8s_openapi::api::core::v1::ServiceAccount;
-    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
     let kinds = [
         ("Deployment", exists::<Deployment>(client, ns).await?),
@@ -717,7 +721,8 @@ async fn proxy_objects(client: &kube::Client, ns: &str) -> Result<Vec<&'static s
 
 /// Turning proxy mode off deletes the proxy's objects: once when the proxy never ran (a
 /// NodePort Service without `advertisedHost`: no address to hand out, so no Deployment),
-/// and once after it ran behind a LoadBalancer.
+/// and once after it ran behind a LoadBalancer, with the API server refusing one delete for
+/// a while: the retry, once the refusal is lifted, still deletes everything.
 async fn mode_off(env: TestEnv) -> Result<()> {
     let TestEnv { client, ns, .. } = &env;
     let operator = Operator::start(client, ns);
@@ -730,7 +735,11 @@ async fn mode_off(env: TestEnv) -> Result<()> {
                 .await
         }
     };
-    let mut no_address = proxy_access(32600);
+    // In the NodePort range's static band (30000 to 30085 for the default range), which the
+    // API server leaves to explicit requests: the LoadBalancer Services of the other tests
+    // get their NodePorts from the rest, and one of them could take a port above it first.
+    let base = 30040;
+    let mut no_address = proxy_access(base);
     no_address["proxy"]["serviceType"] = json!("NodePort");
     create(client, ns, &external_cluster("vc", 1, 0, no_address)?).await?;
     let without_deployment = [
@@ -757,7 +766,10 @@ async fn mode_off(env: TestEnv) -> Result<()> {
         .iter()
         .map(|p| (p.port, p.node_port))
         .collect();
-    ensure!(ports == [(32600, Some(32600))], "{ports:?}");
+    ensure!(
+        ports == [(i32::from(base), Some(i32::from(base)))],
+        "{ports:?}"
+    );
     set_external(json!(null)).await?;
     let gone = || async {
         eventually("every proxy object gone", FORM, || async {
@@ -769,12 +781,108 @@ async fn mode_off(env: TestEnv) -> Result<()> {
     };
     gone().await?;
 
-    set_external(proxy_access(32600)).await?;
+    set_external(proxy_access(base)).await?;
     wait_external_ready(client, ns, "vc").await?;
     let found = proxy_objects(client, ns).await?;
     ensure!(found.len() == 6, "{found:?}");
-    set_external(json!(null)).await?;
+
+    // The PodDisruptionBudget's delete refused: the removal stops partway, and the Service,
+    // which marks the objects as the operator's, must outlive it for the retry to finish.
+    let refusal = RefusedDelete::start(client, ns, "poddisruptionbudgets").await?;
+    let refused = async {
+        let errors = || {
+            operator
+                .metrics
+                .failures
+                .get_or_create(&ErrorLabels { error: "kube" })
+                .get()
+        };
+        let before = errors();
+        set_external(json!(null)).await?;
+        eventually("a removal stopped by the refused delete", FORM, || async {
+            let found = proxy_objects(client, ns).await?;
+            ensure!(errors() > before, "no failed reconcile yet; {found:?}");
+            ensure!(!found.contains(&"Deployment"), "{found:?}");
+            Ok(found)
+        })
+        .await
+    }
+    .await;
+    refusal.stop().await?;
+    let found = refused?;
+    ensure!(
+        found.contains(&"Service") && found.contains(&"PodDisruptionBudget"),
+        "the Service went before the refused PodDisruptionBudget: {found:?}"
+    );
     gone().await?;
     operator.stop().await;
     Ok(())
+}
+
+/// A ValidatingAdmissionPolicy (and its binding) that refuses every DELETE of `vc-proxy` of
+/// one resource in one namespace: an API server that says no, which no other fault gives.
+struct RefusedDelete {
+    policies: Api<ValidatingAdmissionPolicy>,
+    bindings: Api<ValidatingAdmissionPolicyBinding>,
+    name: String,
+}
+
+impl RefusedDelete {
+    /// Installs the policy and returns once the API server refuses a dry-run delete.
+    async fn start(client: &kube::Client, ns: &str, resource: &str) -> Result<RefusedDelete> {
+        let name = format!("refuse-delete-{ns}");
+        let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "namespaceSelector": {
+                        "matchLabels": { "kubernetes.io/metadata.name": ns }
+                    },
+                    "resourceRules": [{
+                        "apiGroups": ["*"],
+                        "apiVersions": ["*"],
+                        "resources": [resource],
+                        "resourceNames": ["vc-proxy"],
+                        "operations": ["DELETE"]
+                    }]
+                },
+                "validations": [{ "expression": "false", "message": "refused by the test" }]
+            }
+        }))?;
+        let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": { "policyName": name, "validationActions": ["Deny"] }
+        }))?;
+        let refusal = RefusedDelete {
+            policies: Api::all(client.clone()),
+            bindings: Api::all(client.clone()),
+            name,
+        };
+        let post = PostParams::default();
+        refusal.policies.create(&post, &policy).await?;
+        refusal.bindings.create(&post, &binding).await?;
+        // The API server loads policies asynchronously: wait until it applies this one.
+        let budgets = Api::<PodDisruptionBudget>::namespaced(client.clone(), ns);
+        let dry_run = DeleteParams {
+            dry_run: true,
+            ..DeleteParams::default()
+        };
+        eventually("the API server refusing the delete", FORM, || async {
+            match budgets.delete("vc-proxy", &dry_run).await {
+                Err(kube::Error::Api(e)) if e.message.contains("refused by the test") => Ok(()),
+                other => anyhow::bail!("a dry-run delete: {other:?}"),
+            }
+        })
+        .await?;
+        Ok(refusal)
+    }
+
+    /// Lifts the refusal.
+    async fn stop(self) -> Result<()> {
+        let params = DeleteParams::default();
+        self.bindings.delete(&self.name, &params).await?;
+        self.policies.delete(&self.name, &params).await?;
+        Ok(())
+    }
 }
