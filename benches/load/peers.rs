@@ -66,6 +66,17 @@ impl Kind {
             Kind::Traefik => "Traefik TCP",
         }
     }
+
+    /// The software alone, for where the configuration is not the label's (a TLS listener).
+    pub fn product(self) -> &'static str {
+        match self {
+            Kind::Direct => "Valkey",
+            Kind::Pass | Kind::Rewrite => "shardgate",
+            Kind::Haproxy | Kind::HaproxyKeepalive => "HAProxy",
+            Kind::Nginx => "nginx",
+            Kind::Traefik => "Traefik",
+        }
+    }
 }
 
 /// One running data plane in front of a backend.

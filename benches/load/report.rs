@@ -606,7 +606,7 @@ fn targets(out: &mut String, settings: &Settings, samples: &[Sample]) {
         // with this load generator, whose OpenSSL shares the cores.
         let others: Vec<String> = [Kind::Haproxy, Kind::Nginx]
             .into_iter()
-            .filter_map(|k| over_plain(k).map(|o| format!("{} {:.2}×", k.label(), o.median)))
+            .filter_map(|k| over_plain(k).map(|o| format!("{} {:.2}×", k.product(), o.median)))
             .collect();
         let others = if others.is_empty() {
             String::new()
