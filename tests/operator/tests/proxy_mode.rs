@@ -788,7 +788,7 @@ async fn mode_off(env: TestEnv) -> Result<()> {
 
     // The PodDisruptionBudget's delete refused: the removal stops partway, and the Service,
     // which marks the objects as the operator's, must outlive it for the retry to finish.
-    let refusal = RefusedDelete::start(client, ns, "poddisruptionbudgets").await?;
+    let refusal = RefusedDelete::start(client, ns).await?;
     let refused = async {
         let errors = || {
             operator
@@ -819,8 +819,9 @@ async fn mode_off(env: TestEnv) -> Result<()> {
     Ok(())
 }
 
-/// A ValidatingAdmissionPolicy (and its binding) that refuses every DELETE of `vc-proxy` of
-/// one resource in one namespace: an API server that says no, which no other fault gives.
+/// A ValidatingAdmissionPolicy (and its binding) that refuses every DELETE of the
+/// PodDisruptionBudget `vc-proxy` in one namespace: an API server that says no, which no
+/// other fault gives.
 struct RefusedDelete {
     policies: Api<ValidatingAdmissionPolicy>,
     bindings: Api<ValidatingAdmissionPolicyBinding>,
@@ -829,7 +830,7 @@ struct RefusedDelete {
 
 impl RefusedDelete {
     /// Installs the policy and returns once the API server refuses a dry-run delete.
-    async fn start(client: &kube::Client, ns: &str, resource: &str) -> Result<RefusedDelete> {
+    async fn start(client: &kube::Client, ns: &str) -> Result<RefusedDelete> {
         let name = format!("refuse-delete-{ns}");
         let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
             "metadata": { "name": name },
@@ -840,9 +841,9 @@ impl RefusedDelete {
                         "matchLabels": { "kubernetes.io/metadata.name": ns }
                     },
                     "resourceRules": [{
-                        "apiGroups": ["*"],
-                        "apiVersions": ["*"],
-                        "resources": [resource],
+                        "apiGroups": ["policy"],
+                        "apiVersions": ["v1"],
+                        "resources": ["poddisruptionbudgets"],
                         "resourceNames": ["vc-proxy"],
                         "operations": ["DELETE"]
                     }]
